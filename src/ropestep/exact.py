@@ -1,0 +1,574 @@
+"""Exact layer: the oracle.  Arbitrary-precision (mpmath) evaluation of every formula.
+
+Written as the paper writes it, one head and one query at a time, with explicit objects:
+the d x d rotation ``R(p)`` built pair by pair, the map ``L_i = W^_q R(p_i)^T * scale``, the
+features ``a_ij = L_i k~_j^T + beta_ij e_{m+1}`` in the augmented input space, and
+``Delta M_i = sum_j c_ij (a_ij - g)(v_j - mu_i)^T`` summed key by key.  No code is shared with
+:mod:`ropestep.fast` beyond the head description in :mod:`ropestep.spec`, so comparing the two
+is a real test.  Float inputs are converted to mpf exactly (every float64/float32 is a dyadic
+rational), so the only rounding is at the working precision.
+
+For the families whose score is not affine in ``u`` (``qknorm``, ``cosine``) the same
+construction runs in query space: ``u~_i = [q_i; 1]``, ``a~_ij = [k~_j; beta_ij]``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import mpmath as mp
+import numpy as np
+
+from .spec import HeadSpec, HeadWeights, check_inputs, resolve_mask, _positions
+
+DEFAULT_DPS = 60
+
+
+# ---------------------------------------------------------------------------------------------
+# conversions
+# ---------------------------------------------------------------------------------------------
+def to_mp(a: Any) -> np.ndarray:
+    """Exact conversion of a float array (numpy or torch, any float dtype) to an mpf array."""
+    if a is None:
+        return None
+    if hasattr(a, "detach"):
+        a = a.detach().cpu()
+        if str(a.dtype) in ("torch.bfloat16", "torch.float16"):
+            a = a.float()
+        a = a.numpy()
+    arr = np.asarray(a)
+    if arr.dtype == object:
+        return np.vectorize(mp.mpf, otypes=[object])(arr) if arr.size else arr
+    arr = arr.astype(np.float64)  # exact for float16/32/64
+    out = np.empty(arr.shape, dtype=object)
+    flat = out.reshape(-1)
+    for n, x in enumerate(arr.reshape(-1)):
+        flat[n] = mp.mpf(float(x))
+    return out
+
+
+def to_float(a: Any) -> np.ndarray:
+    """mpf array -> float64 array (rounded once)."""
+    arr = np.asarray(a, dtype=object)
+    return np.vectorize(float, otypes=[np.float64])(arr) if arr.size else arr.astype(np.float64)
+
+
+def _zeros(*shape: int) -> np.ndarray:
+    out = np.empty(shape, dtype=object)
+    out.reshape(-1)[:] = [mp.mpf(0)] * out.size
+    return out
+
+
+def _dot(a: Sequence, b: Sequence):
+    return mp.fsum(x * y for x, y in zip(a, b))
+
+
+# ---------------------------------------------------------------------------------------------
+# phi_1
+# ---------------------------------------------------------------------------------------------
+def phi1(s: Any) -> mp.mpf:
+    """``rho(s) = (e^s - 1)/s`` (``rho(0) = 1``) at the working precision."""
+    s = mp.mpf(s)
+    if s == 0:
+        return mp.mpf(1)
+    return mp.expm1(s) / s
+
+
+def exp_dd(a: Any, b: Any) -> mp.mpf:
+    """``exp[a, b] = (e^a - e^b)/(a - b)``, ``= e^a`` when ``a == b``; via ``e^b rho(a - b)``."""
+    a, b = mp.mpf(a), mp.mpf(b)
+    return mp.exp(b) * phi1(a - b)
+
+
+def score_transform(s: Any, softcap: float | None) -> mp.mpf:
+    return s if softcap is None else mp.mpf(softcap) * mp.tanh(s / mp.mpf(softcap))
+
+
+def transform_dd(a: Any, b: Any, softcap: float | None) -> mp.mpf:
+    """``(phi(a) - phi(b))/(a - b)`` by the plain difference quotient at doubled precision."""
+    if softcap is None:
+        return mp.mpf(1)
+    c = mp.mpf(softcap)
+    if a == b:
+        return mp.sech(a / c) ** 2
+    with mp.workdps(2 * mp.mp.dps + 20):
+        val = (score_transform(mp.mpf(a), softcap) - score_transform(mp.mpf(b), softcap)) / (
+            mp.mpf(a) - mp.mpf(b))
+    return +val
+
+
+def exp_phi_dd(a: Any, b: Any, softcap: float | None) -> mp.mpf:
+    """``(e^{phi(a)} - e^{phi(b)})/(a - b)``: the weight function of a transformed head."""
+    za, zb = score_transform(a, softcap), score_transform(b, softcap)
+    return mp.exp(zb) * phi1(za - zb) * transform_dd(a, b, softcap)
+
+
+# ---------------------------------------------------------------------------------------------
+# RoPE, explicitly
+# ---------------------------------------------------------------------------------------------
+def _pairs(d: int, layout: str) -> list[tuple[int, int]]:
+    if layout == "half":
+        return [(l, l + d // 2) for l in range(d // 2)]
+    return [(2 * l, 2 * l + 1) for l in range(d // 2)]
+
+
+def frequencies(base: Any, d: int) -> list:
+    return [mp.power(mp.mpf(base), -mp.mpf(2 * l) / d) for l in range(d // 2)]
+
+
+def rotation(p: Any, base: Any, d: int, layout: str, cos_row: Any = None,
+             sin_row: Any = None) -> mp.matrix:
+    """``R(p)`` (d x d, column convention), from exact angles or from one table row."""
+    R = mp.zeros(d, d)
+    om = frequencies(base, d)
+    for l, (i, j) in enumerate(_pairs(d, layout)):
+        if cos_row is not None:
+            c, s = mp.mpf(cos_row[l]), mp.mpf(sin_row[l])
+        else:
+            c, s = mp.cos(p * om[l]), mp.sin(p * om[l])
+        R[i, i], R[i, j], R[j, i], R[j, j] = c, -s, s, c
+    return R
+
+
+def generator(base: Any, d: int, layout: str) -> mp.matrix:
+    """``A = diag_l omega_l J_2`` on the layout's pairs (``R(p) = expm(p A)``)."""
+    A = mp.zeros(d, d)
+    for l, (i, j) in enumerate(_pairs(d, layout)):
+        w = frequencies(base, d)[l]
+        A[i, j], A[j, i] = -w, w
+    return A
+
+
+def phi1_matrix(X: mp.matrix, terms: int | None = None) -> mp.matrix:
+    """``phi_1(X) = sum_k X^k/(k+1)!`` by its power series (converges for every X)."""
+    n = X.rows
+    out, term = mp.eye(n), mp.eye(n)
+    nrm = mp.mnorm(X, 1)
+    k = 1
+    while True:
+        term = term * X / (k + 1)
+        out += term
+        k += 1
+        if (terms is not None and k > terms) or (terms is None and k > 4 and
+                                                 mp.mnorm(term, 1) < mp.eps * (1 + nrm) * 1e-5):
+            break
+    return out
+
+
+def rope_finite_difference_residual(base: Any, d: int, layout: str, p: Any, delta: Any) -> mp.mpf:
+    """``max |R(p+delta) - R(p) - delta A phi_1(delta A) R(p)|`` with exact rotations."""
+    A = generator(base, d, layout)
+    lhs = rotation(p + delta, base, d, layout) - rotation(p, base, d, layout)
+    rhs = delta * A * phi1_matrix(delta * A) * rotation(p, base, d, layout)
+    return max(abs(x) for x in (lhs - rhs))
+
+
+# ---------------------------------------------------------------------------------------------
+# one layer, explicitly
+# ---------------------------------------------------------------------------------------------
+@dataclass
+class ExactHead:
+    """All per-(head, query) objects; arrays of mpf with ``object`` dtype."""
+
+    spec: HeadSpec
+    mask: np.ndarray  # (Q, N) bool
+    u: np.ndarray  # (H, Q, D) input vectors: u_i (affine) or [q_i; 1] (query space)
+    feats: np.ndarray  # (H, Q, N, D) a_ij
+    q: np.ndarray  # (H, Q, d) effective queries
+    k: np.ndarray  # (H, N, d) rotated keys
+    v: np.ndarray  # (H, N, r)
+    beta: np.ndarray  # (H, Q, N)
+    s: np.ndarray  # (H, Q, N) raw scores (bias included), computed from q . k + beta
+    y: np.ndarray  # (H, Q, r) softmax output
+    mu: np.ndarray  # (H, Q, r)
+    Z: np.ndarray  # (H, Q) sum_j e^{phi(s_ij)}
+    dps: int
+    extras: dict = field(default_factory=dict)
+
+
+def build(spec: HeadSpec, weights: HeadWeights, x_q: Any, pos_q: Any, x_kv: Any, pos_kv: Any,
+          mask: Any = "causal", bias: Any = None, dps: int = DEFAULT_DPS) -> ExactHead:
+    """Evaluate projections, rotations, features, scores, softmax output and means exactly."""
+    Qn, Nn = int(np.shape(x_q)[0]), int(np.shape(x_kv)[0])
+    mask = resolve_mask(mask, pos_q, pos_kv, Qn, Nn)
+    Q, N, m = check_inputs(spec, weights, x_q, pos_q, x_kv, pos_kv, mask, bias)
+    mask = np.asarray(mask.detach().cpu().numpy() if hasattr(mask, "detach") else mask, bool)
+    H, Hk, d, r = spec.n_heads, spec.n_kv_heads, spec.head_dim, spec.r
+    pq, pk = _positions(pos_q, "pos_q"), _positions(pos_kv, "pos_kv")
+    with mp.workdps(dps):
+        X, Xk = to_mp(x_q), to_mp(x_kv)
+        U = np.concatenate([X, np.full((Q, 1), mp.mpf(1), dtype=object)], 1)
+        Uk = np.concatenate([Xk, np.full((N, 1), mp.mpf(1), dtype=object)], 1)
+
+        def aug(w, b, heads, dim):
+            W = to_mp(w)
+            B = _zeros(heads, dim) if b is None else to_mp(b)
+            return np.concatenate([W, B[None]], 0)  # (m+1, heads, dim)
+
+        Wq, Wk, Wv = aug(weights.w_q, weights.b_q, H, d), aug(weights.w_k, weights.b_k, Hk, d), \
+            aug(weights.w_v, weights.b_v, Hk, r)
+        bases = spec.rope.bases(H)
+        tab = spec.rope.cos is not None
+        cos_t = None if not tab else np.asarray(_np(spec.rope.cos), dtype=np.float64)
+        sin_t = None if not tab else np.asarray(_np(spec.rope.sin), dtype=np.float64)
+        qn = None if weights.q_norm is None else to_mp(weights.q_norm)
+        kn = None if weights.k_norm is None else to_mp(weights.k_norm)
+        slopes = spec.alibi_slopes
+        extra = None if bias is None else to_mp(bias)
+        if extra is not None and extra.ndim == 2:
+            extra = np.stack([extra] * H)
+
+        def rot(p, h):
+            if tab:
+                return rotation(p, bases[h], d, spec.rope.layout, cos_t[p], sin_t[p])
+            return rotation(p, bases[h], d, spec.rope.layout)
+
+        def rms(vec, w):
+            ms = mp.fsum(x * x for x in vec) / len(vec)
+            inv = 1 / mp.sqrt(ms + mp.mpf(spec.norm_eps))
+            return [x * inv * wi for x, wi in zip(vec, w)]
+
+        def unit(vec):
+            n = mp.sqrt(mp.fsum(x * x for x in vec))
+            if n == 0:
+                raise ValueError("cosine family: a vector has zero norm and cannot be normalised")
+            return [x / n for x in vec]
+
+        def normed(vec, w):
+            if spec.family == "qknorm":
+                return rms(vec, w)
+            if spec.family == "cosine":
+                return unit(vec)
+            return list(vec)
+
+        affine = spec.affine
+        D = m + 1 if affine else d + 1
+        u_all = np.empty((H, Q, D), dtype=object)
+        feats = np.empty((H, Q, N, D), dtype=object)
+        q_all = np.empty((H, Q, d), dtype=object)
+        k_all = np.empty((H, N, d), dtype=object)
+        v_all = np.empty((H, N, r), dtype=object)
+        beta = _zeros(H, Q, N)
+        s = _zeros(H, Q, N)
+        y = _zeros(H, Q, r)
+        mu = _zeros(H, Q, r)
+        Z = _zeros(H, Q)
+        for h in range(H):
+            g = spec.kv_head(h)
+            sc = mp.mpf(1) / mp.mpf(spec.temperatures()[h]) if spec.family == "cosine" else (
+                mp.mpf(1) / mp.sqrt(d) if spec.scale is None else mp.mpf(spec.scale))
+            # keys and values of this head's KV group, rotated with this head's base
+            Rk = {}
+            for j in range(N):
+                kraw = [_dot(Uk[j], Wk[:, g, c]) for c in range(d)]
+                kvec = mp.matrix(normed(kraw, kn))
+                Rk.setdefault(pk[j], rot(int(pk[j]), h))
+                kt = Rk[pk[j]] * kvec  # column form: k~^T = R(p) k^T
+                k_all[h, j] = [kt[c] for c in range(d)]
+                v_all[h, j] = [_dot(Uk[j], Wv[:, g, c]) for c in range(r)]
+            for i in range(Q):
+                Rq = rot(int(pq[i]), h)
+                qraw = [_dot(U[i], Wq[:, h, c]) for c in range(d)]
+                qt = Rq * mp.matrix(normed(qraw, qn))
+                q_all[h, i] = [qt[c] * sc for c in range(d)]
+                if affine:
+                    # L_i = W^_q,h R(p_i)^T * scale   ((m+1) x d)
+                    Wh = mp.matrix([[Wq[a, h, c] for c in range(d)] for a in range(m + 1)])
+                    L = Wh * Rq.T * sc
+                    u_all[h, i] = list(U[i])
+                else:
+                    u_all[h, i] = list(q_all[h, i]) + [mp.mpf(1)]
+                for j in range(N):
+                    bij = mp.mpf(0)
+                    if slopes is not None:
+                        bij += -mp.mpf(slopes[h]) * (int(pq[i]) - int(pk[j]))
+                    if extra is not None:
+                        bij += extra[h, i, j]
+                    beta[h, i, j] = bij
+                    s[h, i, j] = _dot(q_all[h, i], k_all[h, j]) + bij
+                    if affine:
+                        a = L * mp.matrix(list(k_all[h, j]))
+                        feats[h, i, j] = [a[c] for c in range(m + 1)]
+                        feats[h, i, j][-1] += bij
+                    else:
+                        feats[h, i, j] = list(k_all[h, j]) + [bij]
+                perm = np.flatnonzero(mask[i])
+                z = {j: score_transform(s[h, i, j], spec.softcap) for j in perm}
+                Zi = mp.fsum(mp.exp(z[j]) for j in perm)
+                Z[h, i] = Zi
+                for c in range(r):
+                    y[h, i, c] = mp.fsum(mp.exp(z[j]) * v_all[h, j, c] for j in perm) / Zi
+                    mu[h, i, c] = mp.fsum(v_all[h, j, c] for j in perm) / len(perm)
+        return ExactHead(spec, mask, u_all, feats, q_all, k_all, v_all, beta, s, y, mu, Z, dps)
+
+
+def _np(a: Any) -> np.ndarray:
+    return a.detach().cpu().double().numpy() if hasattr(a, "detach") else np.asarray(a)
+
+
+# ---------------------------------------------------------------------------------------------
+# coefficients, Delta M, readouts
+# ---------------------------------------------------------------------------------------------
+def coefficients(E: ExactHead, h: int, i: int, gauge: Any = "original") -> tuple[dict, list]:
+    """``c^g_ij = (e^{phi(s_ij)} - e^{phi(sigma_i)}) / ((s_ij - sigma_i) Z_i)`` and the offset g.
+
+    ``sigma_i = u_i . g``; original ``g = 0``; max-key ``g = a_{i j*}``; a vector ``g``.
+    Returns ({j: c_ij}, g as a list).
+    """
+    with mp.workdps(E.dps):
+        perm = list(np.flatnonzero(E.mask[i]))
+        D = len(E.u[h, i])
+        if isinstance(gauge, str) and gauge == "original":
+            g = [mp.mpf(0)] * D
+        elif isinstance(gauge, str) and gauge == "maxkey":
+            z = [score_transform(E.s[h, i, j], E.spec.softcap) for j in perm]
+            best = max(z)
+            js = [j for j, zz in zip(perm, z) if zz == best][0]
+            g = list(E.feats[h, i, js])
+        elif isinstance(gauge, str):
+            raise ValueError(f"unknown gauge {gauge!r}")
+        else:
+            if not E.spec.affine:
+                raise ValueError("free gauges need an affine head")
+            gv = to_mp(gauge)
+            gv = gv[h] if gv.ndim == 2 else gv
+            if len(gv) != D:
+                raise ValueError(f"gauge vector must have length {D}")
+            g = list(gv)
+        sig = _dot(E.u[h, i], g)
+        c = {j: exp_phi_dd(E.s[h, i, j], sig, E.spec.softcap) / E.Z[h, i] for j in perm}
+        return c, g
+
+
+def delta_m(E: ExactHead, h: int, i: int, gauge: Any = "original") -> mp.matrix:
+    """``Delta M^g_i = sum_j c^g_ij (a_ij - g)(v_j - mu_i)^T`` ((m+1) x r, or (d+1) x r)."""
+    with mp.workdps(E.dps):
+        D, r = len(E.u[h, i]), E.spec.r
+        if isinstance(gauge, str) and gauge == "pairwise":
+            return pairwise_delta_m(E, h, i)
+        c, g = coefficients(E, h, i, gauge)
+        M = mp.zeros(D, r)
+        for j, cj in c.items():
+            a = E.feats[h, i, j]
+            for p in range(D):
+                w = cj * (a[p] - g[p])
+                for q in range(r):
+                    M[p, q] += w * (E.v[h, j, q] - E.mu[h, i, q])
+        return M
+
+
+def pairwise_delta_m(E: ExactHead, h: int, i: int) -> mp.matrix:
+    """``1/(2 N Z) sum_{j,k} exp_phi[s_j, s_k] (a_j - a_k)(v_j - v_k)^T`` (double sum)."""
+    with mp.workdps(E.dps):
+        perm = list(np.flatnonzero(E.mask[i]))
+        D, r = len(E.u[h, i]), E.spec.r
+        M = mp.zeros(D, r)
+        pre = 1 / (2 * len(perm) * E.Z[h, i])
+        for j in perm:
+            for k in perm:
+                if j == k:
+                    continue
+                w = pre * exp_phi_dd(E.s[h, i, j], E.s[h, i, k], E.spec.softcap)
+                for p in range(D):
+                    da = w * (E.feats[h, i, j][p] - E.feats[h, i, k][p])
+                    for q in range(r):
+                        M[p, q] += da * (E.v[h, j, q] - E.v[h, k, q])
+        return M
+
+
+def readout(E: ExactHead, h: int, i: int, M: mp.matrix) -> list:
+    """``mu_i + u_i^T M``."""
+    with mp.workdps(E.dps):
+        return [E.mu[h, i, q] + mp.fsum(E.u[h, i][p] * M[p, q] for p in range(M.rows))
+                for q in range(M.cols)]
+
+
+def t_matrix(E: ExactHead, h: int, i: int, gauge: str = "original") -> mp.matrix:
+    """Query-space ``T_i = sum_j c_ij (k~_j - k_o)^T (v_j - mu_i)`` (d x r) for original/max-key."""
+    with mp.workdps(E.dps):
+        c, _ = coefficients(E, h, i, gauge)
+        d, r = E.spec.head_dim, E.spec.r
+        ko = [mp.mpf(0)] * d
+        if gauge == "maxkey":
+            perm = list(np.flatnonzero(E.mask[i]))
+            z = [score_transform(E.s[h, i, j], E.spec.softcap) for j in perm]
+            js = [j for j, zz in zip(perm, z) if zz == max(z)][0]
+            ko = list(E.k[h, js])
+        T = mp.zeros(d, r)
+        for j, cj in c.items():
+            for p in range(d):
+                w = cj * (E.k[h, j][p] - ko[p])
+                for q in range(r):
+                    T[p, q] += w * (E.v[h, j, q] - E.mu[h, i, q])
+        return T
+
+
+def all_delta_m(E: ExactHead, gauge: Any = "original") -> np.ndarray:
+    """Every ``Delta M_i`` as an object array ``(H, Q, D, r)``."""
+    H, Q = E.u.shape[:2]
+    D, r = E.u.shape[2], E.spec.r
+    out = np.empty((H, Q, D, r), dtype=object)
+    for h in range(H):
+        for i in range(Q):
+            M = delta_m(E, h, i, gauge)
+            for p in range(D):
+                for q in range(r):
+                    out[h, i, p, q] = M[p, q]
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# gradient step
+# ---------------------------------------------------------------------------------------------
+def objective(E: ExactHead, h: int, i: int, B: mp.matrix, gauge: Any = "original") -> mp.mpf:
+    """``E_i(B) = 1/2 sum_j c_ij ||(a_ij - g)^T B - (v_j - mu_i)||^2``."""
+    with mp.workdps(E.dps):
+        c, g = coefficients(E, h, i, gauge)
+        tot = mp.mpf(0)
+        for j, cj in c.items():
+            a = [E.feats[h, i, j][p] - g[p] for p in range(B.rows)]
+            for q in range(B.cols):
+                res = mp.fsum(a[p] * B[p, q] for p in range(B.rows)) - (E.v[h, j, q] - E.mu[h, i, q])
+                tot += cj * res * res
+        return tot / 2
+
+
+def gradient(E: ExactHead, h: int, i: int, B: mp.matrix, gauge: Any = "original") -> mp.matrix:
+    """``grad E_i(B) = sum_j c_ij a_j (a_j^T B - (v_j - mu))^T`` (analytic)."""
+    with mp.workdps(E.dps):
+        c, g = coefficients(E, h, i, gauge)
+        G = mp.zeros(B.rows, B.cols)
+        for j, cj in c.items():
+            a = [E.feats[h, i, j][p] - g[p] for p in range(B.rows)]
+            for q in range(B.cols):
+                res = mp.fsum(a[p] * B[p, q] for p in range(B.rows)) - (E.v[h, j, q] - E.mu[h, i, q])
+                for p in range(B.rows):
+                    G[p, q] += cj * a[p] * res
+        return G
+
+
+def numeric_gradient(E: ExactHead, h: int, i: int, B: mp.matrix, gauge: Any = "original"
+                     ) -> mp.matrix:
+    """Gradient of :func:`objective` by mpmath's numerical differentiation (independent check)."""
+    with mp.workdps(E.dps):
+        G = mp.zeros(B.rows, B.cols)
+        for p in range(B.rows):
+            for q in range(B.cols):
+                def f(t, p=p, q=q):
+                    Bt = B.copy()
+                    Bt[p, q] += t
+                    return objective(E, h, i, Bt, gauge)
+                G[p, q] = mp.diff(f, 0)
+        return G
+
+
+def hessian(E: ExactHead, h: int, i: int, gauge: Any = "original") -> mp.matrix:
+    """``H_i = sum_j c_ij a_ij a_ij^T``."""
+    with mp.workdps(E.dps):
+        c, g = coefficients(E, h, i, gauge)
+        D = len(E.u[h, i])
+        Hm = mp.zeros(D, D)
+        for j, cj in c.items():
+            a = [E.feats[h, i, j][p] - g[p] for p in range(D)]
+            for p in range(D):
+                for q in range(D):
+                    Hm[p, q] += cj * a[p] * a[q]
+        return Hm
+
+
+def lam_max(E: ExactHead, h: int, i: int, gauge: Any = "original") -> mp.mpf:
+    with mp.workdps(E.dps):
+        ev = mp.eigsy(hessian(E, h, i, gauge), eigvals_only=True)
+        return max(ev)
+
+
+# ---------------------------------------------------------------------------------------------
+# frozen reuse, prefix/full
+# ---------------------------------------------------------------------------------------------
+def tokenwise_reuse_error(E: ExactHead, h: int, i: int, anchor: int) -> list:
+    """``e_i = sum_j (c_ij - c_aj)(u_i . a_j)(v_j - mu)`` (shared features and bank)."""
+    with mp.workdps(E.dps):
+        ci, _ = coefficients(E, h, i)
+        ca, _ = coefficients(E, h, anchor)
+        r = E.spec.r
+        out = [mp.mpf(0)] * r
+        for j in ci:
+            w = (ci[j] - ca[j]) * _dot(E.u[h, i], E.feats[h, i, j])
+            for q in range(r):
+                out[q] += w * (E.v[h, j, q] - E.mu[h, i, q])
+        return out
+
+
+def prefix_full(E_prefix: ExactHead, h: int, i: int, s_self: Any, v_self: Sequence) -> list:
+    """``y_full = (1 - pi) y_prefix + pi v_self``, ``pi = e^{z_self}/(Z + e^{z_self})``."""
+    with mp.workdps(E_prefix.dps):
+        es = mp.exp(score_transform(mp.mpf(s_self), E_prefix.spec.softcap))
+        pi = es / (E_prefix.Z[h, i] + es)
+        return [(1 - pi) * E_prefix.y[h, i, q] + pi * mp.mpf(v_self[q])
+                for q in range(E_prefix.spec.r)]
+
+
+# ---------------------------------------------------------------------------------------------
+# no global affine readout
+# ---------------------------------------------------------------------------------------------
+@dataclass
+class Witness:
+    u: list  # the query input [x; 1] where the readout fails
+    error: mp.mpf  # ||y(u) - mu - u^T M||_2, evaluated exactly
+    certified: mp.mpf  # a lower bound on error from the hull argument (0 when not used)
+    how: str
+
+
+def readout_witness(spec: HeadSpec, weights: HeadWeights, x_kv: Any, pos_kv: Any, pos_query: int,
+                    M: Any, head: int = 0, dps: int = DEFAULT_DPS) -> Witness:
+    """Given a head with a finite bank and any ``M`` ((m+1) x r), return a query ``u`` where
+    ``y(u) != mu + u^T M`` and the error there (MATH.md section 7).
+
+    If ``M``'s x-part is non-zero, move ``x`` along its top left singular direction
+    until ``||u^T M|| > ||M_last|| + max_j ||v_j - mu|| + 1``: since ``y(u)`` stays in the hull
+    of the values, the error is then certified >= 1.  Otherwise the readout is constant and any
+    two queries with different outputs refute it.
+    """
+    if not spec.affine:
+        raise ValueError("the no-global-affine-readout witness is stated for affine heads")
+    Mx = to_mp(M)
+    m = int(np.shape(x_kv)[1])
+    if Mx.shape != (m + 1, spec.r):
+        raise ValueError(f"M must have shape ({m + 1}, {spec.r}), got {Mx.shape}")
+    N = int(np.shape(x_kv)[0])
+    with mp.workdps(dps):
+        M_mp = mp.matrix(Mx.tolist())
+
+        def evaluate(x):
+            E = build(spec, weights, np.asarray([x], dtype=np.float64), [pos_query], x_kv, pos_kv,
+                      np.ones((1, N), bool), dps=dps)
+            u = list(E.u[head, 0])
+            ro = readout(E, head, 0, M_mp)
+            err = mp.sqrt(mp.fsum((E.y[head, 0, q] - ro[q]) ** 2 for q in range(spec.r)))
+            return E, u, err
+
+        E0, u0, err0 = evaluate(np.zeros(m))
+        radius = max(mp.sqrt(mp.fsum((E0.v[head, j, q] - E0.mu[head, 0, q]) ** 2
+                                     for q in range(spec.r))) for j in range(N))
+        Mpart = np.array([[float(M_mp[p, q]) for q in range(spec.r)] for p in range(m)])
+        last = mp.sqrt(mp.fsum(M_mp[m, q] ** 2 for q in range(spec.r)))
+        if np.abs(Mpart).max() > 0:
+            Uu, S, _ = np.linalg.svd(Mpart)
+            direction, sigma = Uu[:, 0], S[0]
+            t = float((last + radius + 1) / mp.mpf(sigma)) * 1.01 + 1e-12
+            x = direction * t
+            E, u, err = evaluate(x)
+            grow = mp.sqrt(mp.fsum(mp.fsum(u[p] * M_mp[p, q] for p in range(m)) ** 2
+                                   for q in range(spec.r)))
+            cert = grow - last - radius
+            return Witness(u, err, cert, "x-part non-zero: the readout leaves the convex hull")
+        # constant readout: find a query with a different output
+        rng = np.random.default_rng(0)
+        best = (err0, u0)
+        for _ in range(16):
+            x = rng.standard_normal(m) * 4
+            _, u, err = evaluate(x)
+            if err > best[0]:
+                best = (err, u)
+        return Witness(best[1], best[0], mp.mpf(0),
+                       "x-part zero: the readout is constant; this query's output differs")

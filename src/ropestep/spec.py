@@ -1,0 +1,335 @@
+"""One set of definitions shared by the exact (mpmath) and fast (torch) layers.
+
+A *head description* is pure data: the configuration (:class:`HeadSpec`: sizes, RoPE, score
+family) and the weights (:class:`HeadWeights`, math layout ``x @ w``).  Inputs to a head are
+the layer inputs ``x`` (the hidden states after the block's input norm), integer positions, and
+a permitted-set mask.  Nothing here computes attention; :mod:`ropestep.exact` and
+:mod:`ropestep.fast` do, independently.
+
+Conventions (MATH.md section 1):
+
+* ``u_j = [x_j; 1]`` is the augmented input, ``m = x.shape[-1]``.
+* ``w_q`` has shape ``(m, n_heads, head_dim)``; ``b_q`` ``(n_heads, head_dim)`` or ``None``.
+  ``w_k``/``b_k`` and ``w_v``/``b_v`` are per KV head.  Query head ``h`` reads KV head
+  ``h // (n_heads // n_kv_heads)`` (Hugging Face ``repeat_kv`` grouping).
+* RoPE acts on row vectors: ``q~ = q R(p)^T``, ``R(p) = exp(p A)``, with pairs either split
+  halves (``layout="half"``: dim ``l`` with ``l + d/2``, HF ``rotate_half``) or interleaved
+  (``layout="interleaved"``: ``2l`` with ``2l+1``, GPT-J / Meta).  For a pair ``(x1, x2)``:
+  ``x1' = x1 cos - x2 sin``, ``x2' = x2 cos + x1 sin``, angle ``p * omega_l``,
+  ``omega_l = base^(-2l/d)``.  Keys of query head ``h`` are rotated with head ``h``'s base.
+* Score families (MATH.md section 8):
+    - ``"dot"``: ``s = q~ k~^T * scale`` (``scale`` defaults to ``1/sqrt(d)``);
+    - ``"qknorm"``: q and k pass a per-head RMSNorm (weights ``q_norm``/``k_norm``, eps
+      ``norm_eps``) before RoPE (Qwen3), then as ``"dot"``;
+    - ``"cosine"``: ``s = q^ R k^^T / tau_h`` with unit ``q^, k^`` and a per-head temperature.
+  Optional on top of any family: additive biases ``beta_ij`` (ALiBi slopes
+  ``beta_ij = -slope_h * (p_i - p_j)``, and/or an explicit bias array passed at call time) and a
+  score transform ``phi(s) = softcap * tanh(s / softcap)`` (``phi(0) = 0``); softmax acts on
+  ``phi(s + beta)``.
+* Masks: ``mask[i, j]`` is True when key ``j`` is in query ``i``'s permitted set ``I_i``.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Literal, Sequence
+
+import numpy as np
+
+Layout = Literal["half", "interleaved"]
+Family = Literal["dot", "qknorm", "cosine"]
+GaugeName = Literal["original", "maxkey", "pairwise"]
+
+
+# ---------------------------------------------------------------------------------------------
+# configuration
+# ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class RoPESpec:
+    """Rotary embedding of one layer.
+
+    ``base`` is one float (per model) or one float per query head (per-head bases).
+    ``cos``/``sin`` are optional precomputed tables of shape ``(P, d/2)`` indexed by integer
+    position (a model's own float32 tables; HF duplicates the half tables, pass one half).
+    When given, they replace the analytic ``cos(p*omega)``/``sin(p*omega)`` for every position
+    (per-head bases cannot be combined with tables).
+    """
+
+    base: float | tuple[float, ...] = 10000.0
+    layout: Layout = "half"
+    cos: Any = None
+    sin: Any = None
+
+    def bases(self, n_heads: int) -> tuple[float, ...]:
+        if isinstance(self.base, (int, float, np.floating, np.integer)):
+            return (float(self.base),) * n_heads
+        b = tuple(float(x) for x in self.base)
+        if len(b) != n_heads:
+            raise ValueError(f"RoPE: {len(b)} per-head bases given for {n_heads} query heads")
+        return b
+
+    @property
+    def per_head(self) -> bool:
+        return not isinstance(self.base, (int, float, np.floating, np.integer))
+
+
+@dataclass(frozen=True)
+class HeadSpec:
+    """Sizes, RoPE and score family of one attention layer (all its heads)."""
+
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    v_dim: int | None = None  # defaults to head_dim
+    rope: RoPESpec = field(default_factory=RoPESpec)
+    family: Family = "dot"
+    scale: float | None = None  # "dot"/"qknorm": default 1/sqrt(head_dim)
+    temperature: float | tuple[float, ...] | None = None  # "cosine": tau_h > 0 per head
+    softcap: float | None = None
+    alibi_slopes: tuple[float, ...] | None = None
+    norm_eps: float = 1e-6
+
+    def __post_init__(self) -> None:
+        validate_spec(self)
+
+    @property
+    def group(self) -> int:
+        return self.n_heads // self.n_kv_heads
+
+    @property
+    def r(self) -> int:
+        return self.head_dim if self.v_dim is None else self.v_dim
+
+    def kv_head(self, h: int) -> int:
+        return h // self.group
+
+    def score_scale(self, h: int) -> float:
+        """Multiplier of the bilinear score of head ``h`` (1/sqrt(d), ``scale``, or 1/tau_h)."""
+        if self.family == "cosine":
+            return 1.0 / self.temperatures()[h]
+        return (1.0 / math.sqrt(self.head_dim)) if self.scale is None else float(self.scale)
+
+    def temperatures(self) -> tuple[float, ...]:
+        t = self.temperature
+        if t is None:
+            return (math.sqrt(self.head_dim),) * self.n_heads
+        if isinstance(t, (int, float, np.floating, np.integer)):
+            return (float(t),) * self.n_heads
+        return tuple(float(x) for x in t)
+
+    @property
+    def affine(self) -> bool:
+        """True when the score is affine in the augmented input u (so Delta M_i exists)."""
+        return self.family == "dot"
+
+
+def validate_spec(spec: HeadSpec) -> None:
+    """Raise a ValueError/TypeError naming the problem in a head configuration."""
+    for name in ("n_heads", "n_kv_heads", "head_dim"):
+        v = getattr(spec, name)
+        if not isinstance(v, (int, np.integer)) or isinstance(v, bool):
+            raise TypeError(f"HeadSpec.{name} must be an int, got {type(v).__name__}")
+        if v < 1:
+            raise ValueError(f"HeadSpec.{name} must be >= 1, got {v}")
+    if spec.head_dim % 2:
+        raise ValueError(f"RoPE needs an even head_dim, got head_dim={spec.head_dim}")
+    if spec.v_dim is not None and spec.v_dim < 1:
+        raise ValueError(f"HeadSpec.v_dim must be >= 1, got {spec.v_dim}")
+    if spec.n_heads % spec.n_kv_heads:
+        raise ValueError(
+            f"GQA: n_kv_heads={spec.n_kv_heads} does not divide n_heads={spec.n_heads}")
+    if spec.rope.layout not in ("half", "interleaved"):
+        raise ValueError(f"RoPE layout must be 'half' or 'interleaved', got {spec.rope.layout!r}")
+    for b in spec.rope.bases(spec.n_heads):
+        if not (math.isfinite(b) and b > 0):
+            raise ValueError(f"RoPE base must be finite and > 0, got {b}")
+    if spec.rope.per_head and spec.rope.cos is not None:
+        raise ValueError("RoPE: per-head bases cannot be combined with precomputed cos/sin tables")
+    if (spec.rope.cos is None) != (spec.rope.sin is None):
+        raise ValueError("RoPE: give both cos and sin tables, or neither")
+    if spec.rope.cos is not None:
+        c, s = np.asarray(spec.rope.cos), np.asarray(spec.rope.sin)
+        if c.ndim != 2 or c.shape != s.shape or c.shape[1] != spec.head_dim // 2:
+            raise ValueError(
+                f"RoPE tables must both have shape (P, head_dim/2={spec.head_dim // 2}), "
+                f"got cos {c.shape} and sin {s.shape}")
+        if not (np.isfinite(c).all() and np.isfinite(s).all()):
+            raise ValueError("RoPE tables contain NaN or inf")
+    if spec.family not in ("dot", "qknorm", "cosine"):
+        raise ValueError(f"unknown score family {spec.family!r} (dot, qknorm, cosine)")
+    if spec.family != "cosine" and spec.temperature is not None:
+        raise ValueError("a temperature is only used by the 'cosine' family; use scale")
+    if spec.family == "cosine" and spec.scale is not None:
+        raise ValueError("the 'cosine' family is scaled by its temperature, not by scale")
+    if spec.scale is not None and not (math.isfinite(spec.scale) and spec.scale > 0):
+        raise ValueError(f"score scale must be finite and > 0, got {spec.scale}")
+    if spec.family == "cosine":
+        t = spec.temperatures()
+        if len(t) != spec.n_heads:
+            raise ValueError(f"{len(t)} temperatures given for {spec.n_heads} heads")
+        for x in t:
+            if not (math.isfinite(x) and x > 0):
+                raise ValueError(f"temperature tau_h must be finite and > 0, got {x}")
+    if spec.softcap is not None and not (math.isfinite(spec.softcap) and spec.softcap > 0):
+        raise ValueError(f"softcap must be finite and > 0, got {spec.softcap}")
+    if spec.alibi_slopes is not None:
+        if len(spec.alibi_slopes) != spec.n_heads:
+            raise ValueError(
+                f"{len(spec.alibi_slopes)} ALiBi slopes given for {spec.n_heads} heads")
+        if not all(math.isfinite(float(x)) for x in spec.alibi_slopes):
+            raise ValueError("ALiBi slopes must be finite")
+    if not (spec.norm_eps >= 0 and math.isfinite(spec.norm_eps)):
+        raise ValueError(f"norm_eps must be finite and >= 0, got {spec.norm_eps}")
+
+
+# ---------------------------------------------------------------------------------------------
+# weights and inputs
+# ---------------------------------------------------------------------------------------------
+@dataclass
+class HeadWeights:
+    """Projection weights of one layer in math layout (``q = x @ w_q + b_q``).
+
+    Arrays may be numpy or torch; ``None`` biases mean no bias (Llama/SmolLM2).  ``w_o`` (output
+    projection, ``(n_heads, v_dim, hidden)``) is optional and only used by readers of the
+    projected write ``o = sum_h y_h @ w_o[h]``.
+    """
+
+    w_q: Any  # (m, H, d)
+    w_k: Any  # (m, Hk, d)
+    w_v: Any  # (m, Hk, r)
+    b_q: Any = None  # (H, d)
+    b_k: Any = None  # (Hk, d)
+    b_v: Any = None  # (Hk, r)
+    q_norm: Any = None  # (d,) qknorm family
+    k_norm: Any = None  # (d,)
+    w_o: Any = None  # (H, r, hidden)
+    b_o: Any = None  # (hidden,)
+
+    def check(self, spec: HeadSpec, m: int | None = None) -> int:
+        """Validate shapes and finiteness against ``spec``; return the input width m."""
+        H, Hk, d, r = spec.n_heads, spec.n_kv_heads, spec.head_dim, spec.r
+        wq = _shape(self.w_q, "w_q")
+        if len(wq) != 3:
+            raise ValueError(f"w_q must have shape (m, n_heads, head_dim), got {wq}")
+        mm = wq[0]
+        if m is not None and mm != m:
+            raise ValueError(f"w_q expects inputs of width {mm}, but x has width {m}")
+        want = {"w_q": (mm, H, d), "w_k": (mm, Hk, d), "w_v": (mm, Hk, r),
+                "b_q": (H, d), "b_k": (Hk, d), "b_v": (Hk, r)}
+        for name, shp in want.items():
+            a = getattr(self, name)
+            if a is None:
+                continue
+            got = _shape(a, name)
+            if got != shp:
+                raise ValueError(f"{name} must have shape {shp}, got {got}")
+            _finite(a, name)
+        if spec.family == "qknorm":
+            for name in ("q_norm", "k_norm"):
+                a = getattr(self, name)
+                if a is None:
+                    raise ValueError(f"family 'qknorm' needs {name} weights of shape ({d},)")
+                if _shape(a, name) != (d,):
+                    raise ValueError(f"{name} must have shape ({d},), got {_shape(a, name)}")
+                _finite(a, name)
+        if self.w_o is not None:
+            got = _shape(self.w_o, "w_o")
+            if len(got) != 3 or got[:2] != (H, r):
+                raise ValueError(f"w_o must have shape ({H}, {r}, hidden), got {got}")
+        return mm
+
+
+def _shape(a: Any, name: str) -> tuple[int, ...]:
+    if not hasattr(a, "shape"):
+        raise TypeError(f"{name} must be an array (numpy or torch), got {type(a).__name__}")
+    return tuple(int(x) for x in a.shape)
+
+
+def _finite(a: Any, name: str) -> None:
+    arr = a.detach().cpu().double().numpy() if hasattr(a, "detach") else np.asarray(a, dtype=float)
+    if not np.isfinite(arr).all():
+        raise ValueError(f"{name} contains NaN or inf")
+
+
+def check_inputs(spec: HeadSpec, weights: HeadWeights, x_q: Any, pos_q: Any, x_kv: Any,
+                 pos_kv: Any, mask: Any, bias: Any = None) -> tuple[int, int, int]:
+    """Validate one call's inputs; return ``(Q, N, m)``.  ``mask`` must already be an array."""
+    xq, xk = _shape(x_q, "x_q"), _shape(x_kv, "x_kv")
+    if len(xq) != 2 or len(xk) != 2:
+        raise ValueError(f"x_q and x_kv must be 2-D (tokens, m), got {xq} and {xk}")
+    if xq[1] != xk[1]:
+        raise ValueError(f"x_q has width {xq[1]} but x_kv has width {xk[1]}")
+    Q, N, m = xq[0], xk[0], xq[1]
+    if Q < 1:
+        raise ValueError("no queries: x_q is empty")
+    if N < 1:
+        raise ValueError("empty bank: x_kv has no keys")
+    weights.check(spec, m)
+    _finite(x_q, "x_q")
+    _finite(x_kv, "x_kv")
+    pq, pk = _positions(pos_q, "pos_q"), _positions(pos_kv, "pos_kv")
+    if pq.shape != (Q,):
+        raise ValueError(f"pos_q must have shape ({Q},), got {pq.shape}")
+    if pk.shape != (N,):
+        raise ValueError(f"pos_kv must have shape ({N},), got {pk.shape}")
+    if spec.rope.cos is not None:
+        P = np.asarray(spec.rope.cos).shape[0]
+        hi = max(int(pq.max()), int(pk.max()))
+        if min(int(pq.min()), int(pk.min())) < 0 or hi >= P:
+            raise ValueError(f"positions must lie in [0, {P}) to index the RoPE tables, got max {hi}")
+    mk = _shape(mask, "mask")
+    if mk != (Q, N):
+        raise ValueError(f"mask must have shape ({Q}, {N}), got {mk}")
+    mnp = mask.detach().cpu().numpy() if hasattr(mask, "detach") else np.asarray(mask)
+    if mnp.dtype != np.bool_:
+        raise TypeError(f"mask must be boolean, got dtype {mnp.dtype}")
+    empty = np.flatnonzero(~mnp.any(axis=1))
+    if empty.size:
+        raise ValueError(f"empty permitted set: queries {empty[:8].tolist()} attend to no key")
+    if bias is not None:
+        bs = _shape(bias, "bias")
+        if bs not in ((spec.n_heads, Q, N), (Q, N)):
+            raise ValueError(f"bias must have shape ({spec.n_heads}, {Q}, {N}) or ({Q}, {N}), got {bs}")
+        _finite(bias, "bias")
+    return Q, N, m
+
+
+def _positions(p: Any, name: str) -> np.ndarray:
+    arr = p.detach().cpu().numpy() if hasattr(p, "detach") else np.asarray(p)
+    if arr.dtype.kind not in "iu":
+        if arr.dtype.kind == "f" and np.all(np.isfinite(arr)) and np.all(arr == np.round(arr)):
+            return arr.astype(np.int64)
+        raise TypeError(f"{name} must hold integer positions, got dtype {arr.dtype}")
+    return arr.astype(np.int64)
+
+
+# ---------------------------------------------------------------------------------------------
+# permitted sets
+# ---------------------------------------------------------------------------------------------
+def causal_mask(pos_q: Sequence[int], pos_kv: Sequence[int]) -> np.ndarray:
+    """``mask[i, j] = pos_kv[j] <= pos_q[i]`` (keys 0..i when queries and keys coincide)."""
+    pq, pk = _positions(pos_q, "pos_q"), _positions(pos_kv, "pos_kv")
+    return pk[None, :] <= pq[:, None]
+
+
+def bank_mask(n_queries: int, n_keys: int) -> np.ndarray:
+    """Every query reads the whole bank (prefix bank, or full bank with the query's own key)."""
+    if n_keys < 1:
+        raise ValueError("empty bank: a bank needs at least one key")
+    return np.ones((n_queries, n_keys), dtype=bool)
+
+
+def resolve_mask(mask: Any, pos_q: Any, pos_kv: Any, n_q: int, n_kv: int) -> np.ndarray | Any:
+    """Accept ``"causal"``, ``"bank"`` (alias ``"prefix"``, ``"full"``) or a boolean array."""
+    if isinstance(mask, str):
+        if mask == "causal":
+            return causal_mask(pos_q, pos_kv)
+        if mask in ("bank", "prefix", "full"):
+            return bank_mask(n_q, n_kv)
+        raise ValueError(f"unknown mask {mask!r}: use 'causal', 'bank' or a boolean array")
+    return mask
+
+
+def alibi_slopes(n_heads: int) -> tuple[float, ...]:
+    """The standard ALiBi slopes ``2^(-8 h / n)`` for ``h = 1..n`` (power-of-two head counts)."""
+    return tuple(2.0 ** (-8.0 * (h + 1) / n_heads) for h in range(n_heads))
