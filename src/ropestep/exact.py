@@ -140,19 +140,24 @@ def generator(base: Any, d: int, layout: str) -> mp.matrix:
 
 
 def phi1_matrix(X: mp.matrix, terms: int | None = None) -> mp.matrix:
-    """``phi_1(X) = sum_k X^k/(k+1)!`` by its power series (converges for every X)."""
+    """``phi_1(X) = sum_k X^k/(k+1)!`` by its power series (converges for every X).
+
+    The terms grow to about ``e^{||X||}`` before they decay, so the sum runs with
+    ``||X||/ln 10`` extra digits and is rounded back to the working precision.
+    """
     n = X.rows
-    out, term = mp.eye(n), mp.eye(n)
     nrm = mp.mnorm(X, 1)
-    k = 1
-    while True:
-        term = term * X / (k + 1)
-        out += term
-        k += 1
-        if (terms is not None and k > terms) or (terms is None and k > 4 and
-                                                 mp.mnorm(term, 1) < mp.eps * (1 + nrm) * 1e-5):
-            break
-    return out
+    with mp.workdps(mp.mp.dps + int(nrm / mp.log(10)) + 10):
+        out, term = mp.eye(n), mp.eye(n)
+        k = 1
+        while True:
+            term = term * X / (k + 1)
+            out += term
+            k += 1
+            if (terms is not None and k > terms) or (terms is None and k > 4 and
+                                                     mp.mnorm(term, 1) < mp.eps * 1e-5):
+                break
+    return out * 1  # round to the caller's precision
 
 
 def rope_finite_difference_residual(base: Any, d: int, layout: str, p: Any, delta: Any) -> mp.mpf:
@@ -182,20 +187,61 @@ class ExactHead:
     y: np.ndarray  # (H, Q, r) softmax output
     mu: np.ndarray  # (H, Q, r)
     Z: np.ndarray  # (H, Q) sum_j e^{phi(s_ij)}
-    dps: int
+    prec: int  # working precision in bits
     extras: dict = field(default_factory=dict)
+
+    @property
+    def dps(self) -> int:
+        return mp.libmp.prec_to_dps(self.prec)
+
+
+GUARD_DPS = 20
 
 
 def build(spec: HeadSpec, weights: HeadWeights, x_q: Any, pos_q: Any, x_kv: Any, pos_kv: Any,
           mask: Any = "causal", bias: Any = None, dps: int = DEFAULT_DPS) -> ExactHead:
-    """Evaluate projections, rotations, features, scores, softmax output and means exactly."""
+    """Evaluate projections, rotations, features, scores, softmax output and means exactly.
+
+    The result is accurate to ``dps`` digits relative to the outputs' scale: the work runs with
+    ``GUARD_DPS`` guard digits, plus ``-z_max/ln 10`` more when every score of some query is very
+    negative -- then the original gauge's ``1/Z`` multiplies rounding errors by ``e^{-z_max}``
+    (MATH.md section 2), and the oracle pays for it in digits instead of losing them.
+    """
+    d2p = mp.libmp.dps_to_prec
+    E = _build(spec, weights, x_q, pos_q, x_kv, pos_kv, mask, bias, d2p(dps + GUARD_DPS))
+    with mp.workprec(E.prec):
+        worst = min(score_transform(E.s[h, i, j], spec.softcap)
+                    for h in range(E.s.shape[0]) for i in range(E.s.shape[1])
+                    for j in np.flatnonzero(E.mask[i]))
+    extra = int(mp.ceil(-worst / mp.log(10))) if worst < 0 else 0
+    if extra > 2:
+        E = _build(spec, weights, x_q, pos_q, x_kv, pos_kv, mask, bias,
+                   d2p(dps + GUARD_DPS + extra))
+    E.extras["target_dps"] = dps
+    return E
+
+
+def build_rounded(spec: HeadSpec, weights: HeadWeights, x_q: Any, pos_q: Any, x_kv: Any,
+                  pos_kv: Any, mask: Any = "causal", bias: Any = None, prec: int = 24) -> ExactHead:
+    """The same direct computation carried out with ``prec``-bit rounding (24: float32-like,
+    53: float64-like; no exponent limit, no guard digits).
+
+    This is the *naive same-precision computation* the tolerances of the fast layer are
+    measured against: the paper's explicit formula, rounded at every operation like a float
+    implementation would be.
+    """
+    return _build(spec, weights, x_q, pos_q, x_kv, pos_kv, mask, bias, int(prec))
+
+
+def _build(spec: HeadSpec, weights: HeadWeights, x_q: Any, pos_q: Any, x_kv: Any, pos_kv: Any,
+           mask: Any, bias: Any, prec: int) -> ExactHead:
     Qn, Nn = int(np.shape(x_q)[0]), int(np.shape(x_kv)[0])
     mask = resolve_mask(mask, pos_q, pos_kv, Qn, Nn)
     Q, N, m = check_inputs(spec, weights, x_q, pos_q, x_kv, pos_kv, mask, bias)
     mask = np.asarray(mask.detach().cpu().numpy() if hasattr(mask, "detach") else mask, bool)
     H, Hk, d, r = spec.n_heads, spec.n_kv_heads, spec.head_dim, spec.r
     pq, pk = _positions(pos_q, "pos_q"), _positions(pos_kv, "pos_kv")
-    with mp.workdps(dps):
+    with mp.workprec(prec):
         X, Xk = to_mp(x_q), to_mp(x_kv)
         U = np.concatenate([X, np.full((Q, 1), mp.mpf(1), dtype=object)], 1)
         Uk = np.concatenate([Xk, np.full((N, 1), mp.mpf(1), dtype=object)], 1)
@@ -243,6 +289,7 @@ def build(spec: HeadSpec, weights: HeadWeights, x_q: Any, pos_q: Any, x_kv: Any,
 
         affine = spec.affine
         D = m + 1 if affine else d + 1
+        Lmaps: dict = {}
         u_all = np.empty((H, Q, D), dtype=object)
         feats = np.empty((H, Q, N, D), dtype=object)
         q_all = np.empty((H, Q, d), dtype=object)
@@ -275,6 +322,7 @@ def build(spec: HeadSpec, weights: HeadWeights, x_q: Any, pos_q: Any, x_kv: Any,
                     # L_i = W^_q,h R(p_i)^T * scale   ((m+1) x d)
                     Wh = mp.matrix([[Wq[a, h, c] for c in range(d)] for a in range(m + 1)])
                     L = Wh * Rq.T * sc
+                    Lmaps[h, i] = L
                     u_all[h, i] = list(U[i])
                 else:
                     u_all[h, i] = list(q_all[h, i]) + [mp.mpf(1)]
@@ -299,7 +347,8 @@ def build(spec: HeadSpec, weights: HeadWeights, x_q: Any, pos_q: Any, x_kv: Any,
                 for c in range(r):
                     y[h, i, c] = mp.fsum(mp.exp(z[j]) * v_all[h, j, c] for j in perm) / Zi
                     mu[h, i, c] = mp.fsum(v_all[h, j, c] for j in perm) / len(perm)
-        return ExactHead(spec, mask, u_all, feats, q_all, k_all, v_all, beta, s, y, mu, Z, dps)
+        return ExactHead(spec, mask, u_all, feats, q_all, k_all, v_all, beta, s, y, mu, Z, prec,
+                         extras={"L": Lmaps})
 
 
 def _np(a: Any) -> np.ndarray:
@@ -315,7 +364,7 @@ def coefficients(E: ExactHead, h: int, i: int, gauge: Any = "original") -> tuple
     ``sigma_i = u_i . g``; original ``g = 0``; max-key ``g = a_{i j*}``; a vector ``g``.
     Returns ({j: c_ij}, g as a list).
     """
-    with mp.workdps(E.dps):
+    with mp.workprec(E.prec):
         perm = list(np.flatnonzero(E.mask[i]))
         D = len(E.u[h, i])
         if isinstance(gauge, str) and gauge == "original":
@@ -342,7 +391,7 @@ def coefficients(E: ExactHead, h: int, i: int, gauge: Any = "original") -> tuple
 
 def delta_m(E: ExactHead, h: int, i: int, gauge: Any = "original") -> mp.matrix:
     """``Delta M^g_i = sum_j c^g_ij (a_ij - g)(v_j - mu_i)^T`` ((m+1) x r, or (d+1) x r)."""
-    with mp.workdps(E.dps):
+    with mp.workprec(E.prec):
         D, r = len(E.u[h, i]), E.spec.r
         if isinstance(gauge, str) and gauge == "pairwise":
             return pairwise_delta_m(E, h, i)
@@ -357,9 +406,40 @@ def delta_m(E: ExactHead, h: int, i: int, gauge: Any = "original") -> mp.matrix:
         return M
 
 
+def delta_m_abs(E: ExactHead, h: int, i: int, gauge: Any = "original") -> mp.mpf:
+    """Scale of ``Delta M^g_i`` as a sum: ``max_{p,q} sum_j |c_j (a_jp - g_p)| (|v_jq - mu_q| +
+    |v_jq|)`` (pairwise: the double sum's absolute terms, likewise).  Errors of a computed matrix
+    are measured relative to this: a matrix whose terms cancel to ~0 has no relative accuracy
+    to keep, and a centred value ``v - mu`` cannot be computed to better than ``ulp(|v|)``."""
+    with mp.workprec(E.prec):
+        D, r = len(E.u[h, i]), E.spec.r
+        perm = list(np.flatnonzero(E.mask[i]))
+        best = mp.mpf(0)
+        if isinstance(gauge, str) and gauge == "pairwise":
+            pre = 1 / (2 * len(perm) * E.Z[h, i])
+            wjk = {(j, k): abs(pre * exp_phi_dd(E.s[h, i, j], E.s[h, i, k], E.spec.softcap))
+                   for j in perm for k in perm if j != k}
+            for p in range(D):
+                for q in range(r):
+                    tot = mp.fsum(wjk[j, k] * abs(E.feats[h, i, j][p] - E.feats[h, i, k][p])
+                                  * (abs(E.v[h, j, q] - E.v[h, k, q]) + abs(E.v[h, j, q])
+                                     + abs(E.v[h, k, q]))
+                                  for j in perm for k in perm if j != k)
+                    best = max(best, tot)
+            return best
+        c, g = coefficients(E, h, i, gauge)
+        for p in range(D):
+            for q in range(r):
+                tot = mp.fsum(abs(cj * (E.feats[h, i, j][p] - g[p])) *
+                              (abs(E.v[h, j, q] - E.mu[h, i, q]) + abs(E.v[h, j, q]))
+                              for j, cj in c.items())
+                best = max(best, tot)
+        return best
+
+
 def pairwise_delta_m(E: ExactHead, h: int, i: int) -> mp.matrix:
     """``1/(2 N Z) sum_{j,k} exp_phi[s_j, s_k] (a_j - a_k)(v_j - v_k)^T`` (double sum)."""
-    with mp.workdps(E.dps):
+    with mp.workprec(E.prec):
         perm = list(np.flatnonzero(E.mask[i]))
         D, r = len(E.u[h, i]), E.spec.r
         M = mp.zeros(D, r)
@@ -378,14 +458,14 @@ def pairwise_delta_m(E: ExactHead, h: int, i: int) -> mp.matrix:
 
 def readout(E: ExactHead, h: int, i: int, M: mp.matrix) -> list:
     """``mu_i + u_i^T M``."""
-    with mp.workdps(E.dps):
+    with mp.workprec(E.prec):
         return [E.mu[h, i, q] + mp.fsum(E.u[h, i][p] * M[p, q] for p in range(M.rows))
                 for q in range(M.cols)]
 
 
 def t_matrix(E: ExactHead, h: int, i: int, gauge: str = "original") -> mp.matrix:
     """Query-space ``T_i = sum_j c_ij (k~_j - k_o)^T (v_j - mu_i)`` (d x r) for original/max-key."""
-    with mp.workdps(E.dps):
+    with mp.workprec(E.prec):
         c, _ = coefficients(E, h, i, gauge)
         d, r = E.spec.head_dim, E.spec.r
         ko = [mp.mpf(0)] * d
@@ -422,7 +502,7 @@ def all_delta_m(E: ExactHead, gauge: Any = "original") -> np.ndarray:
 # ---------------------------------------------------------------------------------------------
 def objective(E: ExactHead, h: int, i: int, B: mp.matrix, gauge: Any = "original") -> mp.mpf:
     """``E_i(B) = 1/2 sum_j c_ij ||(a_ij - g)^T B - (v_j - mu_i)||^2``."""
-    with mp.workdps(E.dps):
+    with mp.workprec(E.prec):
         c, g = coefficients(E, h, i, gauge)
         tot = mp.mpf(0)
         for j, cj in c.items():
@@ -435,7 +515,7 @@ def objective(E: ExactHead, h: int, i: int, B: mp.matrix, gauge: Any = "original
 
 def gradient(E: ExactHead, h: int, i: int, B: mp.matrix, gauge: Any = "original") -> mp.matrix:
     """``grad E_i(B) = sum_j c_ij a_j (a_j^T B - (v_j - mu))^T`` (analytic)."""
-    with mp.workdps(E.dps):
+    with mp.workprec(E.prec):
         c, g = coefficients(E, h, i, gauge)
         G = mp.zeros(B.rows, B.cols)
         for j, cj in c.items():
@@ -449,22 +529,25 @@ def gradient(E: ExactHead, h: int, i: int, B: mp.matrix, gauge: Any = "original"
 
 def numeric_gradient(E: ExactHead, h: int, i: int, B: mp.matrix, gauge: Any = "original"
                      ) -> mp.matrix:
-    """Gradient of :func:`objective` by mpmath's numerical differentiation (independent check)."""
-    with mp.workdps(E.dps):
+    """Gradient of :func:`objective` by central differences with step 1.
+
+    ``E`` is quadratic in ``B``, so ``(E(B + e) - E(B - e))/2`` is its exact partial derivative:
+    an independent check of :func:`gradient` with no truncation error, only rounding.
+    """
+    with mp.workprec(E.prec):
         G = mp.zeros(B.rows, B.cols)
         for p in range(B.rows):
             for q in range(B.cols):
-                def f(t, p=p, q=q):
-                    Bt = B.copy()
-                    Bt[p, q] += t
-                    return objective(E, h, i, Bt, gauge)
-                G[p, q] = mp.diff(f, 0)
+                Bp, Bm = B.copy(), B.copy()
+                Bp[p, q] += 1
+                Bm[p, q] -= 1
+                G[p, q] = (objective(E, h, i, Bp, gauge) - objective(E, h, i, Bm, gauge)) / 2
         return G
 
 
 def hessian(E: ExactHead, h: int, i: int, gauge: Any = "original") -> mp.matrix:
     """``H_i = sum_j c_ij a_ij a_ij^T``."""
-    with mp.workdps(E.dps):
+    with mp.workprec(E.prec):
         c, g = coefficients(E, h, i, gauge)
         D = len(E.u[h, i])
         Hm = mp.zeros(D, D)
@@ -477,7 +560,7 @@ def hessian(E: ExactHead, h: int, i: int, gauge: Any = "original") -> mp.matrix:
 
 
 def lam_max(E: ExactHead, h: int, i: int, gauge: Any = "original") -> mp.mpf:
-    with mp.workdps(E.dps):
+    with mp.workprec(E.prec):
         ev = mp.eigsy(hessian(E, h, i, gauge), eigvals_only=True)
         return max(ev)
 
@@ -487,7 +570,9 @@ def lam_max(E: ExactHead, h: int, i: int, gauge: Any = "original") -> mp.mpf:
 # ---------------------------------------------------------------------------------------------
 def tokenwise_reuse_error(E: ExactHead, h: int, i: int, anchor: int) -> list:
     """``e_i = sum_j (c_ij - c_aj)(u_i . a_j)(v_j - mu)`` (shared features and bank)."""
-    with mp.workdps(E.dps):
+    with mp.workprec(E.prec):
+        if not (E.mask[i] == E.mask[anchor]).all():
+            raise ValueError("tokenwise reuse error needs the anchor's permitted set")
         ci, _ = coefficients(E, h, i)
         ca, _ = coefficients(E, h, anchor)
         r = E.spec.r
@@ -501,7 +586,7 @@ def tokenwise_reuse_error(E: ExactHead, h: int, i: int, anchor: int) -> list:
 
 def prefix_full(E_prefix: ExactHead, h: int, i: int, s_self: Any, v_self: Sequence) -> list:
     """``y_full = (1 - pi) y_prefix + pi v_self``, ``pi = e^{z_self}/(Z + e^{z_self})``."""
-    with mp.workdps(E_prefix.dps):
+    with mp.workprec(E_prefix.prec):
         es = mp.exp(score_transform(mp.mpf(s_self), E_prefix.spec.softcap))
         pi = es / (E_prefix.Z[h, i] + es)
         return [(1 - pi) * E_prefix.y[h, i, q] + pi * mp.mpf(v_self[q])

@@ -69,6 +69,17 @@ def phi1(s: Any) -> torch.Tensor:
     return torch.where(zero, torch.ones_like(s), out)
 
 
+def scaled_phi1(x: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
+    """``e^{shift} * phi_1(x)`` without intermediate overflow.
+
+    For ``x > 40``: ``e^{shift + x} / x`` (the ``-1`` of ``e^x - 1`` is below rounding);
+    otherwise the plain product.  Used for ``c = e^{phi(sigma) - z_max} phi_1(z - phi(sigma))``.
+    """
+    big = x > _BIG
+    xs = torch.where(big, x, torch.ones_like(x))
+    return torch.where(big, torch.exp(shift + xs) / xs, torch.exp(shift) * phi1(x))
+
+
 def exp_dd(a: Any, b: Any) -> torch.Tensor:
     """Exponential divided difference ``exp[a, b] = (e^a - e^b)/(a - b) = e^b rho(a - b)``.
 
@@ -98,7 +109,20 @@ def transform_dd(a: torch.Tensor, b: torch.Tensor, softcap: float | None) -> tor
     if softcap is None:
         return torch.ones(torch.broadcast_shapes(a.shape, b.shape), dtype=a.dtype, device=a.device)
     c = softcap
-    return _sinhc((a - b) / c) / (torch.cosh(a / c) * torch.cosh(b / c))
+    A, B = a / c, b / c
+    dl = A - B
+    direct = _sinhc(dl) / (torch.cosh(A) * torch.cosh(B))
+    # far out (|a/c|, |b/c| > 20) the cosh/sinh overflow: the same quotient in logs
+    ad = dl.abs().clamp_min(1e-4)
+    lsh = ad + torch.log1p(-torch.exp(-2 * ad)) - math.log(2) - torch.log(ad)
+
+    def lch(x: torch.Tensor) -> torch.Tensor:
+        ax = x.abs()
+        return ax + torch.log1p(torch.exp(-2 * ax)) - math.log(2)
+
+    far = (A.abs() > 20) | (B.abs() > 20)
+    logq = torch.where(dl.abs() < 1e-4, torch.log(_sinhc(dl)), lsh) - lch(A) - lch(B)
+    return torch.where(far, torch.exp(logq), direct)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -329,6 +353,7 @@ class Step:
     w: torch.Tensor | None = None  # (H, Q, r) sum_j c_ij (v_j - mu_i) (free gauges)
     sigma: torch.Tensor | None = None  # (H, Q) u_i . g (free gauges)
     delta_m: torch.Tensor | None = None  # (H, Q, m+1, r)
+    kappa: torch.Tensor | None = None  # (H, Q) condition number of the readout sum
     extras: dict = field(default_factory=dict)
 
     def identity_error(self) -> torch.Tensor:
@@ -400,7 +425,7 @@ def step(spec: HeadSpec, weights: HeadWeights, x_q: Any, pos_q: Any, x_kv: Any, 
         idx = slice(lo, min(Q, lo + cs))
         out = _step_chunk(P, mk[idx], idx, kind, g, delta_m, spec.softcap)
         for key, val in out.items():
-            if key in ("s", "y", "mu", "readout", "w", "sigma") or key in keep or \
+            if key in ("s", "y", "mu", "readout", "w", "sigma", "kappa") or key in keep or \
                     (key == "delta_m" and delta_m):
                 parts.setdefault(key, []).append(val)
     cat = {k: torch.cat(v, dim=1) for k, v in parts.items()}
@@ -456,8 +481,19 @@ def _step_chunk(P: Projected, mk: torch.Tensor, idx: slice, kind: str, g: torch.
         sig = (P.u_q[idx] @ g.T).T[..., None]  # (H, Qc, 1)
         sigma = sig[..., 0]
     zsig = transform(sig, softcap)
-    c = torch.exp(zsig - zmax) * phi1(z - zsig) * transform_dd(s, sig, softcap) / zbar
+    c = scaled_phi1(z - zsig, zsig - zmax) * transform_dd(s, sig, softcap) / zbar
     c = torch.where(m3, c, torch.zeros_like(c))
+    if not bool(torch.isfinite(c).all()):
+        bad = (~torch.isfinite(c)).any(-1).nonzero()[0].tolist()
+        raise FloatingPointError(
+            f"gauge {kind!r} overflows in {s.dtype} at head {bad[0]}, query {idx.start + bad[1]}: "
+            f"the gauge anchor sits {float((zsig - zmax)[bad[0], bad[1], 0]):.0f} above every "
+            "score, so its coefficients exceed the float range (MATH.md section 2); "
+            "use gauge='maxkey'")
+    # condition number of the readout sum: sum_j |c_j (s_j - sigma)| |v_j - mu|_inf / max |v - mu|
+    vn = vc.abs().amax(-1)  # (H, Qc, N)
+    out["kappa"] = (c * (s - sig)).abs().mul(vn).sum(-1) / vn.amax(-1).clamp_min(
+        torch.finfo(vn.dtype).tiny)
     kc = k[:, None] if koff is None else k[:, None] - koff[:, :, None]  # (H, Qc|1, N, d)
     t = (c[..., None] * kc).transpose(-1, -2) @ vc  # (H, Qc, d, r)
     b = None
@@ -502,14 +538,19 @@ def _pairwise_chunk(P, out, q, s, z, zmax, zbar, mk, vc, beta, softcap, idx, wan
     lap = torch.diag_embed(D.sum(-1)) - D
     # (v - mu) in place of v is harmless: the Laplacian annihilates constants
     lv = lap @ vc / nper  # (H, Qc, N, r)
-    t = k[:, None].transpose(-1, -2) @ lv  # (H, Qc, d, r)
+    # the Laplacian also annihilates constant keys/biases: centre them on the permitted mean so
+    # a large common offset (e.g. a constant bias of -800) does not enter the sums at all
+    w8 = mk.to(k.dtype)[None, :, :, None] / nper  # (1, Qc, N, 1)
+    kc = k[:, None] - (w8 * k[:, None]).sum(2, keepdim=True)  # (H, Qc, N, d)
+    t = kc.transpose(-1, -2) @ lv  # (H, Qc, d, r)
     readout = out["mu"] + (q[:, :, None] @ t)[:, :, 0]
     b = None
     if beta is not None:
-        b = (beta[:, :, None] @ lv)[:, :, 0]
+        bc = beta - (w8[..., 0] * beta).sum(-1, keepdim=True)
+        b = (bc[:, :, None] @ lv)[:, :, 0]
         readout = readout + b
         out["b"] = b
-    out.update(t=t, readout=readout)
+    out.update(t=t, readout=readout, kappa=torch.full_like(readout[..., 0], 2.0))
     if want_dm:
         dm = P.lmap(idx) @ t
         if b is not None:

@@ -1,0 +1,21 @@
+"""Test configuration: hypothesis profiles chosen by environment.
+
+* ``ci`` (default): derandomised, no deadline, >= 200 examples per property.
+* ``fuzz``: 2000 examples, randomised -- for long runs: ``HYPOTHESIS_PROFILE=fuzz pytest``.
+* ``quick``: 20 examples, for editing loops.
+"""
+import os
+import sys
+
+from hypothesis import HealthCheck, settings
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+_common = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow,
+                                                     HealthCheck.data_too_large,
+                                                     HealthCheck.filter_too_much],
+               print_blob=True)
+settings.register_profile("ci", max_examples=200, derandomize=True, **_common)
+settings.register_profile("fuzz", max_examples=2000, **_common)
+settings.register_profile("quick", max_examples=20, derandomize=True, **_common)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
