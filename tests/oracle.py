@@ -35,3 +35,31 @@ def top2_gap(E: exact.ExactHead, h: int, i: int) -> float:
     z = sorted((float(exact.score_transform(E.s[h, i, j], E.spec.softcap)) for j in js),
                reverse=True)
     return z[0] - z[1] if len(z) > 1 else np.inf
+
+
+def verify_against_exact(p, gauge="original") -> dict:
+    """Max errors of the fast float64 layer against the oracle on problem ``p``:
+    ``y`` (softmax output), ``readout`` (mu + u^T dM vs the exact y) and ``matrix`` (dM, relative
+    to its sum-of-absolute-terms scale).  The suite demands each <= 1e-12."""
+    import torch  # noqa: F401
+
+    from ropestep import fast
+
+    E = exact.build(*p.args(), bias=p.bias, dps=40)
+    st_ = fast.step(*p.args(), bias=p.bias, gauge=gauge, delta_m=p.spec.affine)
+    y_ex = exact.to_float(E.y)
+    vs = np.abs(exact.to_float(E.v)).max()
+    out = {"y": float(np.abs(st_.y.numpy() - y_ex).max() / vs),
+           "readout": float(np.abs(st_.readout.numpy() - y_ex).max() / vs)}
+    if p.spec.affine:
+        Me = exact.to_float(exact.all_delta_m(E, gauge))
+        H, Q = Me.shape[:2]
+        mabs = np.array([[float(exact.delta_m_abs(E, h, i, gauge)) for i in range(Q)]
+                         for h in range(H)])
+        out["matrix"] = float((np.abs(st_.delta_m.numpy() - Me).max(axis=(2, 3))
+                               / np.maximum(mabs, 1e-300)).max())
+        # the identity through the materialised matrix: mu + u^T Delta M against the exact y
+        u = np.concatenate([p.x_q, np.ones((p.x_q.shape[0], 1))], 1)
+        ro = st_.mu.numpy() + np.einsum("qa,hqar->hqr", u, st_.delta_m.numpy())
+        out["identity_dm"] = float(np.abs(ro - y_ex).max() / vs)
+    return out
