@@ -85,13 +85,19 @@ def score_transform(s: Any, softcap: float | None) -> mp.mpf:
 
 
 def transform_dd(a: Any, b: Any, softcap: float | None) -> mp.mpf:
-    """``(phi(a) - phi(b))/(a - b)`` by the plain difference quotient at doubled precision."""
+    """``(phi(a) - phi(b))/(a - b)`` by the plain difference quotient at raised precision.
+
+    ``tanh`` saturates: two scores far out on the same side differ in ``tanh`` by only
+    ``~e^{-2 min(|a|,|b|)/c}``, so the quotient runs with that many extra digits on top of a
+    doubled working precision (no cancellation survives).
+    """
     if softcap is None:
         return mp.mpf(1)
     c = mp.mpf(softcap)
     if a == b:
         return mp.sech(a / c) ** 2
-    with mp.workdps(2 * mp.mp.dps + 20):
+    extra = int(2 * max(abs(mp.mpf(a)), abs(mp.mpf(b))) / c / mp.log(10))
+    with mp.workdps(2 * mp.mp.dps + 20 + extra):
         val = (score_transform(mp.mpf(a), softcap) - score_transform(mp.mpf(b), softcap)) / (
             mp.mpf(a) - mp.mpf(b))
     return +val

@@ -90,12 +90,6 @@ def exp_dd(a: Any, b: Any) -> torch.Tensor:
     return torch.exp(hi) * phi1(lo - hi)
 
 
-def _sinhc(t: torch.Tensor) -> torch.Tensor:
-    small = t.abs() < 1e-4
-    safe = torch.where(small, torch.ones_like(t), t)
-    return torch.where(small, 1 + t * t / 6, torch.sinh(safe) / safe)
-
-
 def transform(s: torch.Tensor, softcap: float | None) -> torch.Tensor:
     """Score transform ``phi(s)``: identity, or ``softcap * tanh(s / softcap)``."""
     return s if softcap is None else softcap * torch.tanh(s / softcap)
@@ -104,25 +98,29 @@ def transform(s: torch.Tensor, softcap: float | None) -> torch.Tensor:
 def transform_dd(a: torch.Tensor, b: torch.Tensor, softcap: float | None) -> torch.Tensor:
     """Divided difference ``phi[a, b] = (phi(a) - phi(b))/(a - b)`` (1 for the identity).
 
-    Soft-cap: ``sinhc((a-b)/c) / (cosh(a/c) cosh(b/c))`` -- positive, no cancellation.
+    Soft-cap ``phi(s) = c tanh(s/c)``: with ``A, B = a/c, b/c`` ordered ``hi >= lo`` and
+    ``delta = hi - lo``, ``tanh x = (1 - e^{-2x})/(1 + e^{-2x})`` gives, for ``lo >= 0``,
+
+        phi[a, b] = 4 e^{-2 lo} phi_1(-2 delta) / ((1 + e^{-2 hi})(1 + e^{-2 lo})),
+
+    every factor positive and free of cancellation (mirror it for ``hi <= 0``); across zero
+    ``(tanh hi - tanh lo)/delta`` has no cancellation either.
     """
     if softcap is None:
         return torch.ones(torch.broadcast_shapes(a.shape, b.shape), dtype=a.dtype, device=a.device)
-    c = softcap
-    A, B = a / c, b / c
-    dl = A - B
-    direct = _sinhc(dl) / (torch.cosh(A) * torch.cosh(B))
-    # far out (|a/c|, |b/c| > 20) the cosh/sinh overflow: the same quotient in logs
-    ad = dl.abs().clamp_min(1e-4)
-    lsh = ad + torch.log1p(-torch.exp(-2 * ad)) - math.log(2) - torch.log(ad)
-
-    def lch(x: torch.Tensor) -> torch.Tensor:
-        ax = x.abs()
-        return ax + torch.log1p(torch.exp(-2 * ax)) - math.log(2)
-
-    far = (A.abs() > 20) | (B.abs() > 20)
-    logq = torch.where(dl.abs() < 1e-4, torch.log(_sinhc(dl)), lsh) - lch(A) - lch(B)
-    return torch.where(far, torch.exp(logq), direct)
+    A, B = torch.broadcast_tensors(a / softcap, b / softcap)
+    hi, lo = torch.maximum(A, B), torch.minimum(A, B)
+    delta = hi - lo
+    neg = hi <= 0  # mirror: (hi, lo) -> (-lo, -hi)
+    h2 = torch.where(neg, -lo, hi)
+    l2 = torch.where(neg, -hi, lo)
+    l2c = l2.clamp_min(0)
+    h2c = h2.clamp_min(0)
+    same = 4 * torch.exp(-2 * l2c) * phi1(-2 * delta) / (
+        (1 + torch.exp(-2 * h2c)) * (1 + torch.exp(-2 * l2c)))
+    across = (torch.tanh(hi) - torch.tanh(lo)) / torch.where(delta > 0, delta,
+                                                               torch.ones_like(delta))
+    return torch.where((lo < 0) & (hi > 0), across, same)
 
 
 # ---------------------------------------------------------------------------------------------
