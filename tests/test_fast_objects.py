@@ -1,0 +1,192 @@
+"""The remaining objects of MATH.md in the fast layer, each against the exact oracle:
+gradient-step diagnostics, frozen reuse, the prefix/full relation, RoPE matrices and finite
+differences, chunking and tables, and the no-global-readout witness."""
+from __future__ import annotations
+
+import mpmath as mp
+import numpy as np
+import pytest
+import torch
+from hypothesis import example, given
+from hypothesis import strategies as st
+
+from ropestep import exact, fast, tolerances
+from ropestep.spec import HeadSpec, RoPESpec
+from strategies import make_problem, problems
+
+REL = tolerances.FLOAT64_REL
+
+
+@given(p=problems(families=("dot",), max_n=8, bank=True))
+@example(p=make_problem(seed=5, N=6, bank=True, amp=3.0, label="big lambda"))
+@example(p=make_problem(seed=6, N=6, bank=True, amp=0.1, label="small lambda"))
+def test_descent_diagnostics_match_exact(p):
+    st_ = fast.step(*p.args(), bias=p.bias, delta_m=True)
+    dc = fast.descent(st_)
+    E = exact.build(*p.args(), bias=p.bias, dps=40)
+    H, Q = dc.lam_max.shape
+    for h in range(H):
+        for i in range(Q):
+            lam = exact.lam_max(E, h, i)
+            M = exact.delta_m(E, h, i)
+            e0 = exact.objective(E, h, i, mp.zeros(M.rows, M.cols))
+            e1 = exact.objective(E, h, i, M)
+            sc = float(abs(lam)) + 1e-300
+            assert abs(float(dc.lam_max[h, i]) - float(lam)) <= 1e-9 * sc
+            vs2 = float(st_.extras["projected"].v[h].abs().max()) ** 2  # rounding of v - mu
+            esc = float(e0) + vs2 + float(mp.fsum(x * x for x in M)) * (1 + float(lam))
+            assert abs(float(dc.e0[h, i]) - float(e0)) <= REL * esc
+            assert abs(float(dc.e1[h, i]) - float(e1)) <= 1e-10 * esc
+            if float(lam) < 2:
+                assert bool(dc.descends[h, i]) or float(e1) == float(e0)
+
+
+def test_descent_both_ways():
+    """A head where the unit step descends (lambda_max < 2) and one where it ascends."""
+    small = make_problem(seed=6, N=6, bank=True, amp=0.1)
+    big = make_problem(seed=5, N=6, bank=True, amp=3.0)
+    ds = fast.descent(fast.step(*small.args(), delta_m=True))
+    db = fast.descent(fast.step(*big.args(), delta_m=True))
+    print("small: lam_max", ds.lam_max.max().item(), "big: lam_max", db.lam_max.max().item())
+    assert bool((ds.lam_max < 2).all()) and bool(ds.descends.all())
+    assert bool((~db.descends).any()) and float(db.lam_max.max()) > 2
+
+
+def test_gradient_by_autograd():
+    """torch autograd of E(B) at B = 0 equals -Delta M (independent of the analytic gradient)."""
+    p = make_problem(seed=12, N=7, m=4, d=4, r=3)
+    st_ = fast.step(*p.args(), delta_m=True)
+    P = st_.extras["projected"]
+    for h, i in [(0, 6), (1, 3)]:
+        a = fast.features(st_, h, i)[st_.mask[i]]
+        c = st_.c[h, i][st_.mask[i]]
+        tg = P.v[h][st_.mask[i]] - st_.mu[h, i]
+        B = torch.zeros(a.shape[1], tg.shape[1], dtype=torch.float64, requires_grad=True)
+        E, g_an = fast.objective(a, c, tg, B)
+        (g_auto,) = torch.autograd.grad(E, B)
+        dm = st_.delta_m[h, i]
+        assert float((g_auto + dm).abs().max()) <= REL * float(dm.abs().max())
+        assert float((g_an + dm).abs().max()) <= REL * float(dm.abs().max())
+
+
+@given(p=problems(max_n=10, bank=True))
+def test_frozen_reuse_fast(p):
+    """Measured reuse error == tokenwise formula (<= 1e-12 of the value scale), the refresh
+    formula, the operator-norm bound, and agreement with the exact tokenwise error."""
+    st_ = fast.step(*p.args(), bias=p.bias, delta_m=p.spec.affine)
+    ru = fast.frozen_reuse(st_, anchor=0)
+    vs = float(st_.extras["projected"].v.abs().max())
+    kap = float(st_.kappa.max()) + 1
+    assert float((ru.error - ru.tokenwise).abs().max()) <= REL * vs * kap
+    if p.spec.affine:
+        dm = st_.delta_m
+        L = st_.extras["projected"].lmap()
+        refresh = L @ ru.refresh_t
+        if st_.b is not None:
+            refresh[:, :, -1] += st_.b - st_.b[:, :1]
+        assert float((refresh - (dm - dm[:, :1])).abs().max()) <= REL * float(dm.abs().max())
+        ne = torch.linalg.vector_norm(ru.error, dim=-1)
+        assert bool((ne <= ru.bound * (1 + 1e-12) + REL * vs).all())
+    E = exact.build(*p.args(), bias=p.bias, dps=40)
+    for h in range(p.spec.n_heads):
+        for i in range(1, p.x_q.shape[0]):
+            tok = [float(x) for x in exact.tokenwise_reuse_error(E, h, i, 0)]
+            assert np.abs(ru.tokenwise[h, i].numpy() - tok).max() <= REL * vs * kap
+
+
+def test_frozen_reuse_rejects_mixed_positions():
+    p = make_problem(seed=3, N=5)
+    with pytest.raises(ValueError, match="anchor's position and bank"):
+        fast.frozen_reuse(fast.step(*p.args()), anchor=0)
+
+
+@given(p=problems(max_n=8, bank=True))
+def test_prefix_full_fast(p):
+    """y_full from the bank plus the query's own key == (1 - pi) y_prefix + pi v_self."""
+    st_ = fast.step(*p.args())
+    N = p.x_kv.shape[0]
+    for i in range(p.x_q.shape[0]):
+        xf = np.concatenate([p.x_kv, p.x_q[i:i + 1]])
+        pf = np.concatenate([p.pos_kv, p.pos_q[i:i + 1]])
+        sf = fast.step(p.spec, p.weights, p.x_q[i:i + 1], p.pos_q[i:i + 1], xf, pf, "bank")
+        v_self = sf.extras["projected"].v[:, N]
+        pi = fast.self_mass(sf.s[:, 0, N], st_.s[:, i], p.spec.softcap)
+        rel = fast.prefix_full(st_.y[:, i], v_self, pi)
+        vs = float(sf.extras["projected"].v.abs().max())
+        assert float((rel - sf.y[:, 0]).abs().max()) <= REL * vs
+        mf = fast.full_bank_mean(st_.mu[:, i], v_self, N)
+        assert float((mf - sf.mu[:, 0]).abs().max()) <= REL * vs
+
+
+@given(base=st.sampled_from([2.0, 10.0, 1e4, 1e6]), d=st.sampled_from([2, 4, 8]),
+       layout=st.sampled_from(["half", "interleaved"]), pos=st.integers(0, 4096),
+       delta=st.integers(-64, 64))
+def test_rope_matrices_match_exact(base, d, layout, pos, delta):
+    spec = HeadSpec(1, 1, d, rope=RoPESpec(base=base, layout=layout))
+    with mp.workdps(40):
+        R = exact.rotation(pos, base, d, layout)
+        A = exact.generator(base, d, layout)
+        F = exact.phi1_matrix(delta * A)
+    Rf, Af, Ff = fast.rope_rotation(spec, pos), fast.rope_generator(spec), fast.rope_phi1(spec, delta)
+    for got, ref in ((Rf, R), (Af, A), (Ff, F)):
+        ref = np.array(ref.tolist(), dtype=float)
+        assert np.abs(got.numpy() - ref).max() <= REL * max(1.0, np.abs(ref).max())
+    # the finite difference itself, on a random vector: (R(p+delta) - R(p)) z == delta A phi1 R z
+    z = np.random.default_rng(pos).standard_normal(d)
+    lhs = (fast.rope_rotation(spec, pos + delta) - Rf).numpy() @ z
+    rhs = fast.rope_finite_difference(spec, Rf.numpy() @ z, delta).numpy()
+    assert np.abs(lhs - rhs).max() <= 1e-11 * max(1.0, abs(delta))
+    # and the rows rotate consistently with apply_rope
+    cos, sin = fast.rope_cos_sin(spec, [pos])
+    row = fast.apply_rope(torch.as_tensor(z)[None], cos[0], sin[0], layout)[0]
+    assert torch.allclose(row, torch.as_tensor(z) @ Rf.T, atol=1e-12, rtol=0)
+
+
+def test_chunking_changes_nothing():
+    p = make_problem(seed=21, N=12, H=4, Hk=2, alibi=True)
+    full = fast.step(*p.args(), delta_m=True)
+    for chunk in (1, 5):
+        ch = fast.step(*p.args(), delta_m=True, chunk=chunk)
+        assert torch.equal(full.readout, ch.readout) or \
+            float((full.readout - ch.readout).abs().max()) <= 1e-15
+        assert float((full.delta_m - ch.delta_m).abs().max()) <= 1e-15 * float(full.delta_m.abs().max())
+    tiny = fast.step(*p.args(), max_bytes=1)  # budget below one query: still one query a chunk
+    assert float((tiny.readout - full.readout).abs().max()) <= 1e-15
+
+
+def test_model_tables_are_used():
+    """Precomputed cos/sin tables replace the analytic angles exactly (a model's float32 tables
+    give a measurably different layer than float64 angles)."""
+    p = make_problem(seed=22, N=9, d=4, base=1e4)
+    d = p.spec.head_dim
+    om = 1e4 ** (-np.arange(d // 2) * 2.0 / d)
+    ang = np.arange(16)[:, None] * om[None]
+    exact_tab = HeadSpec(2, 1, d, v_dim=p.spec.r,
+                         rope=RoPESpec(base=1e4, cos=np.cos(ang), sin=np.sin(ang)))
+    f32_tab = HeadSpec(2, 1, d, v_dim=p.spec.r, rope=RoPESpec(
+        base=1e4, cos=np.cos(ang).astype(np.float32), sin=np.sin(ang).astype(np.float32)))
+    a = fast.step(*p.args())
+    b = fast.step(exact_tab, *p.args()[1:])
+    c = fast.step(f32_tab, *p.args()[1:])
+    assert float((a.y - b.y).abs().max()) <= 1e-15
+    assert float((a.y - c.y).abs().max()) > 1e-10
+    E = exact.build(f32_tab, *p.args()[1:], dps=40)
+    assert np.abs(c.y.numpy() - exact.to_float(E.y)).max() <= REL
+
+
+def test_no_global_readout_witness():
+    """For any M, the witness finds a query where mu + u^T M misses y(u), with a certificate."""
+    p = make_problem(seed=30, N=5, bank=True, m=3, d=4, r=2)
+    rng = np.random.default_rng(0)
+    st_ = fast.step(*p.args(), delta_m=True)
+    for M in (rng.standard_normal((4, 2)), st_.delta_m[0, 0].numpy()):
+        w = exact.readout_witness(p.spec, p.weights, p.x_kv, p.pos_kv, int(p.pos_q[0]), M)
+        print(w.how, "error", mp.nstr(w.error, 5), "certified >=", mp.nstr(w.certified, 5))
+        assert w.certified >= 1 and w.error >= w.certified
+    # zero x-part: a constant readout, refuted by two queries with different outputs
+    M0 = np.zeros((4, 2))
+    M0[-1] = [0.3, -0.2]
+    w = exact.readout_witness(p.spec, p.weights, p.x_kv, p.pos_kv, int(p.pos_q[0]), M0)
+    assert "constant" in w.how and w.error > 1e-3
+    with pytest.raises(ValueError, match="M must have shape"):
+        exact.readout_witness(p.spec, p.weights, p.x_kv, p.pos_kv, 5, np.zeros((3, 2)))
