@@ -142,6 +142,18 @@ def test_rope_matrices_match_exact(base, d, layout, pos, delta):
     assert torch.allclose(row, torch.as_tensor(z) @ Rf.T, atol=1e-12, rtol=0)
 
 
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_rope_derivatives_match_mpmath_differentiation(n):
+    """d^n/dp^n R(p) z0 = A^n R(p) z0, against mpmath's numerical derivative of exact R(p)."""
+    spec = HeadSpec(1, 1, 6, rope=RoPESpec(base=10.0, layout="interleaved"))
+    z0 = np.random.default_rng(n).standard_normal(6)
+    got = fast.rope_derivative(spec, z0, 3.7, n).numpy()
+    with mp.workdps(40):
+        for c in range(6):
+            f = lambda p, c=c: (exact.rotation(p, 10.0, 6, "interleaved") * mp.matrix(list(z0)))[c]
+            assert abs(got[c] - float(mp.diff(f, mp.mpf("3.7"), n))) <= REL * 10
+
+
 def test_chunking_changes_nothing():
     p = make_problem(seed=21, N=12, H=4, Hk=2, alibi=True)
     full = fast.step(*p.args(), delta_m=True)

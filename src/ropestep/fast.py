@@ -216,6 +216,17 @@ def rope_phi1(spec: HeadSpec, delta: float, head: int = 0,
     return F.to(dtype)
 
 
+def rope_derivative(spec: HeadSpec, z0: Any, p: float, n: int = 1, head: int = 0) -> torch.Tensor:
+    """``d^n/dp^n [R(p) z0] = A^n R(p) z0`` for column vectors ``z0`` (d, ...)."""
+    if n < 0:
+        raise ValueError(f"derivative order must be >= 0, got {n}")
+    z = rope_rotation(spec, p, head) @ torch.as_tensor(z0, dtype=torch.float64)
+    A = rope_generator(spec, head)
+    for _ in range(n):
+        z = A @ z
+    return z
+
+
 def rope_finite_difference(spec: HeadSpec, z: Any, delta: float, head: int = 0) -> torch.Tensor:
     """``z(p + delta) - z(p) = delta A phi_1(delta A) z(p)`` for column vectors ``z`` (d, ...)."""
     z = torch.as_tensor(z, dtype=torch.float64)
