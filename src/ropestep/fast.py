@@ -362,7 +362,7 @@ class Step:
     w: torch.Tensor | None = None  # (H, Q, r) sum_j c_ij (v_j - mu_i) (free gauges)
     sigma: torch.Tensor | None = None  # (H, Q) u_i . g (free gauges)
     delta_m: torch.Tensor | None = None  # (H, Q, m+1, r)
-    kappa: torch.Tensor | None = None  # (H, Q) condition number of the readout sum
+    kappa: torch.Tensor | None = None  # (H, Q) condition number of the readout sum (vs max|v|)
     extras: dict = field(default_factory=dict)
 
     def identity_error(self) -> torch.Tensor:
@@ -499,9 +499,12 @@ def _step_chunk(P: Projected, mk: torch.Tensor, idx: slice, kind: str, g: torch.
             f"the gauge anchor sits {float((zsig - zmax)[bad[0], bad[1], 0]):.0f} above every "
             "score, so its coefficients exceed the float range (MATH.md section 2); "
             "use gauge='maxkey'")
-    # condition number of the readout sum: sum_j |c_j (s_j - sigma)| |v_j - mu|_inf / max |v - mu|
-    vn = vc.abs().amax(-1)  # (H, Qc, N)
-    out["kappa"] = (c * (s - sig)).abs().mul(vn).sum(-1) / vn.amax(-1).clamp_min(
+    # condition number of the readout sum, relative to the value scale S = max_j |v_j|:
+    # kappa = sum_j |c_j (s_j - sigma)| (|v_j - mu| + |v_j|) / S -- the |v_j| term because
+    # v_j - mu itself carries a rounding error ~ u |v_j| that the sum then amplifies
+    va = torch.where(m3, v.abs().amax(-1)[:, None, :], torch.zeros_like(s))  # (H, Qc, N)
+    vn = vc.abs().amax(-1) + va
+    out["kappa"] = (c * (s - sig)).abs().mul(vn).sum(-1) / va.amax(-1).clamp_min(
         torch.finfo(vn.dtype).tiny)
     kc = k[:, None] if koff is None else k[:, None] - koff[:, :, None]  # (H, Qc|1, N, d)
     t = (c[..., None] * kc).transpose(-1, -2) @ vc  # (H, Qc, d, r)
@@ -559,7 +562,7 @@ def _pairwise_chunk(P, out, q, s, z, zmax, zbar, mk, vc, beta, softcap, idx, wan
         b = (bc[:, :, None] @ lv)[:, :, 0]
         readout = readout + b
         out["b"] = b
-    out.update(t=t, readout=readout, kappa=torch.full_like(readout[..., 0], 2.0))
+    out.update(t=t, readout=readout, kappa=torch.full_like(readout[..., 0], 4.0))
     if want_dm:
         dm = P.lmap(idx) @ t
         if b is not None:

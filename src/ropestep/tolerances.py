@@ -13,10 +13,12 @@ Accuracy and Stability of Numerical Algorithms, section 3.1).
 * The readout ``mu + u^T Delta M`` is a sum whose terms can be much larger than the result
   (the original gauge with every score very negative: terms ~ e^{-z_max}).  Its forward error
   is bounded by ``(gamma_{N+d+8} + u max|s|) * kappa * S`` (scores of size |s| carry an
-  absolute rounding error ``u |s|`` into ``e^s``) with ``kappa = sum_j |c_j (s_j - sigma)| |v_j -
-  mu|_inf / max_j |v_j - mu|_inf`` the condition number of that sum (returned by
-  ``fast.step`` as ``Step.kappa``) and ``S`` the value scale.  ``kappa <= N`` in the max-key
-  gauge, ``<= 2`` pairwise, unbounded in the original gauge.
+  absolute rounding error ``u |s|`` into ``e^s``) with ``S = max_j |v_j|_inf`` the value scale
+  and ``kappa = sum_j |c_j (s_j - sigma)| (|v_j - mu|_inf + |v_j|_inf) / S`` the condition
+  number of that sum (returned by ``fast.step`` as ``Step.kappa``; the ``|v_j|`` term because
+  the centred value ``v_j - mu`` is itself rounded).  Since ``|c_j (s_j - s_max)| <= 1/Zbar``,
+  ``kappa <= 3N`` in the max-key gauge (``<= 4`` pairwise); it is unbounded in the original
+  gauge.
 * float32/bfloat16: ``err(fast) <= K_LOW * err(naive) + FLOOR_LOW * u * max(1, kappa)``
   (readouts, relative to the value scale; matrices relative to their sum-of-absolute-terms
   scale with floor ``FLOOR_LOW * u``), the naive computation being the paper's direct formula with every operation rounded
