@@ -45,6 +45,9 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def _ftensor(s: Any) -> torch.Tensor:
+    """A floating tensor; Python numbers and lists become float64 (not torch's float32 default)."""
+    if not torch.is_tensor(s) and not isinstance(s, np.ndarray) and not isinstance(s, np.generic):
+        s = torch.as_tensor(s, dtype=torch.float64)
     t = torch.as_tensor(s)
     if not t.is_floating_point():
         t = t.to(torch.float64)
