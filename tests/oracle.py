@@ -30,10 +30,9 @@ def gauge_name(g) -> str:
 
 
 def top2_gap(E: exact.ExactHead, h: int, i: int) -> float:
-    """Gap between the two largest transformed scores (max-key gauge ties make j* ambiguous)."""
+    """Gap between the two largest raw scores (max-key gauge ties make j* ambiguous)."""
     js = np.flatnonzero(E.mask[i])
-    z = sorted((float(exact.score_transform(E.s[h, i, j], E.spec.softcap)) for j in js),
-               reverse=True)
+    z = sorted((float(E.s[h, i, j]) for j in js), reverse=True)
     return z[0] - z[1] if len(z) > 1 else np.inf
 
 

@@ -12,33 +12,50 @@ from hypothesis import strategies as st
 
 from ropestep import exact, fast, tolerances
 from ropestep.spec import HeadSpec, RoPESpec
+from oracle import top2_gap
 from strategies import make_problem, problems
 
 REL = tolerances.FLOAT64_REL
 
 
-@given(p=problems(families=("dot",), max_n=8, bank=True))
-@example(p=make_problem(seed=5, N=6, bank=True, amp=3.0, label="big lambda"))
-@example(p=make_problem(seed=6, N=6, bank=True, amp=0.1, label="small lambda"))
-def test_descent_diagnostics_match_exact(p):
-    st_ = fast.step(*p.args(), bias=p.bias, delta_m=True)
+@given(p=problems(families=("dot",), max_n=8, bank=True), gauge=st.sampled_from(["original", "maxkey"]))
+@example(p=make_problem(seed=5, N=6, bank=True, amp=3.0, label="big lambda"), gauge="original")
+@example(p=make_problem(seed=6, N=6, bank=True, amp=0.1, label="small lambda"), gauge="maxkey")
+def test_descent_diagnostics_match_exact(p, gauge):
+    """lambda_max(H_i), E_i(0) and E_i(Delta M_i) of the fast layer against the oracle.
+
+    Scale of E's rounding error: sum_j c_j (|v_j - mu|^2 + |v_j|^2) (the centred values are
+    rounded, and the original gauge's c_j can be ~e^{-z_max} large) plus ||Delta M||^2 (1 + lam).
+    """
+    try:
+        st_ = fast.step(*p.args(), bias=p.bias, delta_m=True, gauge=gauge)
+    except FloatingPointError:
+        assert gauge == "original"
+        return
     dc = fast.descent(st_)
     E = exact.build(*p.args(), bias=p.bias, dps=40)
     H, Q = dc.lam_max.shape
+    # E is a weighted sum of N squares whose weights carry the scores' rounding (u |s|)
+    smax = float(st_.s.abs().max())
+    tol = tolerances.readout_bound(torch.float64, 4.0, p.x_kv.shape[0], p.spec.head_dim, smax)
     for h in range(H):
         for i in range(Q):
-            lam = exact.lam_max(E, h, i)
-            M = exact.delta_m(E, h, i)
-            e0 = exact.objective(E, h, i, mp.zeros(M.rows, M.cols))
-            e1 = exact.objective(E, h, i, M)
-            sc = float(abs(lam)) + 1e-300
-            assert abs(float(dc.lam_max[h, i]) - float(lam)) <= 1e-9 * sc
-            vs2 = float(st_.extras["projected"].v[h].abs().max()) ** 2  # rounding of v - mu
-            esc = float(e0) + vs2 + float(mp.fsum(x * x for x in M)) * (1 + float(lam))
-            assert abs(float(dc.e0[h, i]) - float(e0)) <= REL * esc
+            if gauge == "maxkey" and top2_gap(E, h, i) < 1e-6:
+                continue  # j* ambiguous at a near-tie: a different (equally valid) gauge
+            lam = exact.lam_max(E, h, i, gauge)
+            M = exact.delta_m(E, h, i, gauge)
+            e0 = exact.objective(E, h, i, mp.zeros(M.rows, M.cols), gauge)
+            e1 = exact.objective(E, h, i, M, gauge)
+            c, _ = exact.coefficients(E, h, i, gauge)
+            noise = float(mp.fsum(abs(cj) * mp.fsum(E.v[h, j, q] ** 2 for q in range(p.spec.r))
+                                  for j, cj in c.items()))
+            esc = float(e0) + noise + float(mp.fsum(x * x for x in M)) * (1 + float(lam))
+            assert abs(float(dc.lam_max[h, i]) - float(lam)) <= 1e-9 * (float(abs(lam)) + 1e-300)
+            assert abs(float(dc.e0[h, i]) - float(e0)) <= max(REL, tol) * esc
             assert abs(float(dc.e1[h, i]) - float(e1)) <= 1e-10 * esc
-            if float(lam) < 2:
-                assert bool(dc.descends[h, i]) or float(e1) == float(e0)
+            if float(lam) < 2:  # the unit step cannot increase E
+                assert float(e1) <= float(e0)
+                assert float(dc.e1[h, i]) <= float(dc.e0[h, i]) + max(REL, tol) * esc
 
 
 def test_descent_both_ways():
@@ -73,11 +90,20 @@ def test_gradient_by_autograd():
 def test_frozen_reuse_fast(p):
     """Measured reuse error == tokenwise formula (<= 1e-12 of the value scale), the refresh
     formula, the operator-norm bound, and agreement with the exact tokenwise error."""
-    st_ = fast.step(*p.args(), bias=p.bias, delta_m=p.spec.affine)
+    try:
+        st_ = fast.step(*p.args(), bias=p.bias, delta_m=p.spec.affine)
+    except FloatingPointError:  # the original gauge's 1/Z overflows: documented, refused
+        s = fast.step(*p.args(), bias=p.bias, gauge="maxkey").s
+        assert float(s.amax(-1).min()) < -700
+        return
     ru = fast.frozen_reuse(st_, anchor=0)
     vs = float(st_.extras["projected"].v.abs().max())
+    # both sides are readout-type sums: the derived readout bound, with the scores' size
+    smax = float(st_.s.abs().max())
     kap = float(st_.kappa.max()) + 1
-    assert float((ru.error - ru.tokenwise).abs().max()) <= REL * vs * kap
+    tol = max(REL, float(tolerances.readout_bound(torch.float64, 2 * kap, p.x_kv.shape[0],
+                                                  p.spec.head_dim, smax)))
+    assert float((ru.error - ru.tokenwise).abs().max()) <= tol * vs
     if p.spec.affine:
         dm = st_.delta_m
         L = st_.extras["projected"].lmap()
@@ -86,12 +112,12 @@ def test_frozen_reuse_fast(p):
             refresh[:, :, -1] += st_.b - st_.b[:, :1]
         assert float((refresh - (dm - dm[:, :1])).abs().max()) <= REL * float(dm.abs().max())
         ne = torch.linalg.vector_norm(ru.error, dim=-1)
-        assert bool((ne <= ru.bound * (1 + 1e-12) + REL * vs).all())
+        assert bool((ne <= ru.bound * (1 + 1e-12) + tol * vs).all())
     E = exact.build(*p.args(), bias=p.bias, dps=40)
     for h in range(p.spec.n_heads):
         for i in range(1, p.x_q.shape[0]):
             tok = [float(x) for x in exact.tokenwise_reuse_error(E, h, i, 0)]
-            assert np.abs(ru.tokenwise[h, i].numpy() - tok).max() <= REL * vs * kap
+            assert np.abs(ru.tokenwise[h, i].numpy() - tok).max() <= tol * vs
 
 
 def test_frozen_reuse_rejects_mixed_positions():
@@ -103,12 +129,13 @@ def test_frozen_reuse_rejects_mixed_positions():
 @given(p=problems(max_n=8, bank=True))
 def test_prefix_full_fast(p):
     """y_full from the bank plus the query's own key == (1 - pi) y_prefix + pi v_self."""
-    st_ = fast.step(*p.args())
+    st_ = fast.step(*p.args(), gauge="maxkey")  # only y and mu are used: never overflows
     N = p.x_kv.shape[0]
     for i in range(p.x_q.shape[0]):
         xf = np.concatenate([p.x_kv, p.x_q[i:i + 1]])
         pf = np.concatenate([p.pos_kv, p.pos_q[i:i + 1]])
-        sf = fast.step(p.spec, p.weights, p.x_q[i:i + 1], p.pos_q[i:i + 1], xf, pf, "bank")
+        sf = fast.step(p.spec, p.weights, p.x_q[i:i + 1], p.pos_q[i:i + 1], xf, pf, "bank",
+                       gauge="maxkey")
         v_self = sf.extras["projected"].v[:, N]
         pi = fast.self_mass(sf.s[:, 0, N], st_.s[:, i], p.spec.softcap)
         rel = fast.prefix_full(st_.y[:, i], v_self, pi)

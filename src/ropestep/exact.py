@@ -364,6 +364,14 @@ def _np(a: Any) -> np.ndarray:
 # ---------------------------------------------------------------------------------------------
 # coefficients, Delta M, readouts
 # ---------------------------------------------------------------------------------------------
+def max_key(E: ExactHead, h: int, i: int) -> int:
+    """``j* = argmax_j s_ij`` over the permitted set (first on ties).  The transform ``phi`` is
+    increasing, so this is also the argmax of ``phi(s)``, without a saturating tanh's ties."""
+    perm = list(np.flatnonzero(E.mask[i]))
+    best = max(E.s[h, i, j] for j in perm)
+    return [j for j in perm if E.s[h, i, j] == best][0]
+
+
 def coefficients(E: ExactHead, h: int, i: int, gauge: Any = "original") -> tuple[dict, list]:
     """``c^g_ij = (e^{phi(s_ij)} - e^{phi(sigma_i)}) / ((s_ij - sigma_i) Z_i)`` and the offset g.
 
@@ -376,9 +384,7 @@ def coefficients(E: ExactHead, h: int, i: int, gauge: Any = "original") -> tuple
         if isinstance(gauge, str) and gauge == "original":
             g = [mp.mpf(0)] * D
         elif isinstance(gauge, str) and gauge == "maxkey":
-            z = [score_transform(E.s[h, i, j], E.spec.softcap) for j in perm]
-            best = max(z)
-            js = [j for j, zz in zip(perm, z) if zz == best][0]
+            js = max_key(E, h, i)
             g = list(E.feats[h, i, js])
         elif isinstance(gauge, str):
             raise ValueError(f"unknown gauge {gauge!r}")
@@ -476,10 +482,7 @@ def t_matrix(E: ExactHead, h: int, i: int, gauge: str = "original") -> mp.matrix
         d, r = E.spec.head_dim, E.spec.r
         ko = [mp.mpf(0)] * d
         if gauge == "maxkey":
-            perm = list(np.flatnonzero(E.mask[i]))
-            z = [score_transform(E.s[h, i, j], E.spec.softcap) for j in perm]
-            js = [j for j, zz in zip(perm, z) if zz == max(z)][0]
-            ko = list(E.k[h, js])
+            ko = list(E.k[h, max_key(E, h, i)])
         T = mp.zeros(d, r)
         for j, cj in c.items():
             for p in range(d):

@@ -484,7 +484,8 @@ def _step_chunk(P: Projected, mk: torch.Tensor, idx: slice, kind: str, g: torch.
     if kind == "original":
         sig = torch.zeros_like(zmax)
     elif kind == "maxkey":
-        jstar = torch.where(m3, z, torch.full_like(z, neg)).argmax(-1)  # (H, Qc)
+        # argmax of the raw score (phi is increasing): no ties from a saturated soft-cap
+        jstar = torch.where(m3, s, torch.full_like(s, neg)).argmax(-1)  # (H, Qc)
         sig = torch.gather(s, -1, jstar[..., None])
         koff = torch.gather(k, 1, jstar[..., None].expand(H, Qc, k.shape[-1]))  # (H, Qc, d)
         if beta is not None:
@@ -636,9 +637,7 @@ def descent(st: Step) -> DescentCheck:
     beta = P.beta if P.beta is not None else torch.zeros(H, Q, N, dtype=k.dtype, device=k.device)
     khat = torch.cat((k[:, None].expand(H, Q, N, k.shape[-1]), beta[..., None]), -1)
     if st.gauge == "maxkey":
-        z = transform(st.s, P.spec.softcap)
-        z = torch.where(st.mask[None], z, torch.full_like(z, -torch.inf))
-        js = z.argmax(-1)
+        js = torch.where(st.mask[None], st.s, torch.full_like(st.s, -torch.inf)).argmax(-1)
         off = torch.gather(khat, 2, js[..., None, None].expand(H, Q, 1, khat.shape[-1]))
         khat = khat - off
     brow = torch.zeros_like(st.t[:, :, :1]) if st.b is None else st.b[:, :, None]
