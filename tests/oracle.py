@@ -40,8 +40,6 @@ def verify_against_exact(p, gauge="original") -> dict:
     """Max errors of the fast float64 layer against the oracle on problem ``p``:
     ``y`` (softmax output), ``readout`` (mu + u^T dM vs the exact y) and ``matrix`` (dM, relative
     to its sum-of-absolute-terms scale).  The suite demands each <= 1e-12."""
-    import torch  # noqa: F401
-
     from ropestep import fast
 
     E = exact.build(*p.args(), bias=p.bias, dps=40)

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
+from hypothesis import example
 from hypothesis import strategies as st
 
 from ropestep.spec import HeadSpec, HeadWeights, RoPESpec, alibi_slopes, causal_mask
@@ -103,8 +104,6 @@ def make_problem(*, seed: int = 0, m: int = 3, H: int = 2, Hk: int = 1, d: int =
 
 def raw_scores(p: Problem) -> np.ndarray:
     """Float64 scores (H, Q, N) by a plain independent computation (for sizing only)."""
-    import torch
-
     from ropestep import fast
 
     P = fast.project(p.spec, p.weights, p.x_q, p.pos_q, p.x_kv, p.pos_kv, bias=p.bias)
@@ -191,3 +190,14 @@ def pinned() -> list[Problem]:
         make_problem(label="cosine tiny tau", family="cosine", temperature=(0.02, 0.05), N=6),
         make_problem(label="qknorm GQA", family="qknorm", H=4, Hk=2, N=6),
     ]
+
+
+def pins(f=None, only=None, **extra):
+    """Decorator: pin the hard cases of :func:`pinned` (those passing ``only``) as @example
+    inputs ``p=...`` (plus fixed values ``extra`` for the test's other arguments)."""
+    def deco(f):
+        for p in pinned():
+            if only is None or only(p):
+                f = example(p=p, **extra)(f)
+        return f
+    return deco(f) if f is not None else deco

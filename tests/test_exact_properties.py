@@ -9,25 +9,15 @@ from __future__ import annotations
 
 import mpmath as mp
 import numpy as np
-from hypothesis import example, given, settings
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from ropestep import exact
 from oracle import gauge_name, gauges_for, mat_scale, out_scale
-from strategies import make_problem, pinned, problems
+from strategies import make_problem, pins, problems
 
 REL = mp.mpf("1e-50")
 DPS = 60
-
-
-def pins(f=None, only=None, **extra):
-    """Pin the hard cases of strategies.pinned() (those passing ``only``) as @example inputs."""
-    def deco(f):
-        for p in pinned():
-            if only is None or only(p):
-                f = example(p=p, **extra)(f)
-        return f
-    return deco(f) if f is not None else deco
 
 
 def _pairs(E, sel, k):

@@ -12,23 +12,13 @@ import mpmath as mp
 import numpy as np
 import pytest
 import torch
-from hypothesis import example, given
-from hypothesis import strategies as st
+from hypothesis import given
 
 from ropestep import exact, fast, tolerances
 from oracle import gauge_name, gauges_for, top2_gap
-from strategies import make_problem, pinned, problems
+from strategies import make_problem, pins, problems
 
 F64_REL = tolerances.FLOAT64_REL
-
-
-def pins(f=None, only=None, **extra):
-    def deco(f):
-        for p in pinned():
-            if only is None or only(p):
-                f = example(p=p, **extra)(f)
-        return f
-    return deco(f) if f is not None else deco
 
 
 def _matrices(st_: fast.Step, spec) -> torch.Tensor:

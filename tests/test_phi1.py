@@ -8,7 +8,6 @@ from __future__ import annotations
 import math
 
 import mpmath as mp
-import numpy as np
 import pytest
 import torch
 from hypothesis import example, given
