@@ -149,10 +149,25 @@ def _summary(result: dict, out, seconds: float) -> None:
 # entry point
 # ---------------------------------------------------------------------------------------------
 Handler = Callable[[argparse.Namespace, Sequence[str]], int]
+def _bench_arguments(parser: argparse.ArgumentParser) -> None:
+    from . import bench
+
+    bench.add_arguments(parser)
+
+
+def cmd_bench(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    from . import bench
+
+    return bench.run(args)
+
+
 COMMANDS: dict[str, tuple[Callable[[argparse.ArgumentParser], None], Handler, str]] = {
     "validate": (add_validate_arguments, cmd_validate,
                  "run the paper's pretrained experiment (reconstruction, frozen reuse, "
                  "calibration, descent) and write a report"),
+    "bench": (_bench_arguments, cmd_bench,
+              "benchmark the batched all-query identity against SDPA, the direct per-query "
+              "evaluation and plain matmul (JSON + Markdown)"),
 }
 
 
