@@ -15,9 +15,10 @@ from pathlib import Path
 
 import pytest
 
-nbformat = pytest.importorskip("nbformat")
-nbclient = pytest.importorskip("nbclient")
-pytest.importorskip("ipykernel")
+# hard imports: the notebook extra is part of the test install; a missing kernel must fail
+import ipykernel  # noqa: E402,F401
+import nbclient  # noqa: E402
+import nbformat  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 PROOFS = ROOT / "proofs"
