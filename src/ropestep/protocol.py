@@ -283,33 +283,6 @@ class ContextCapture:
     observed_full: dict  # layer -> (heads (H, r), o (hidden,)) of the full forward over the block
 
 
-@contextlib.contextmanager
-def _record(model: Any, layers: Sequence[int]):
-    """Forward hooks on each layer's input_layernorm (output) and o_proj (input and output)."""
-    base = model.model
-    rec = {L: {"x": [], "heads": [], "o": []} for L in layers}
-    handles = []
-
-    def on_norm(L):
-        return lambda mod, args, out: rec[L]["x"].append(out.detach())
-
-    def on_o(L):
-        def hook(mod, args, out):
-            rec[L]["heads"].append(args[0].detach())
-            rec[L]["o"].append(out.detach())
-        return hook
-
-    try:
-        for L in layers:
-            blk = base.layers[L]
-            handles.append(blk.input_layernorm.register_forward_hook(on_norm(L)))
-            handles.append(blk.self_attn.o_proj.register_forward_hook(on_o(L)))
-        yield rec
-    finally:
-        for h in handles:
-            h.remove()
-
-
 def _rows(rec: dict, calls: int, n: int, H: int, r: int, m: int) -> dict:
     out = {}
     for L, d in rec.items():
@@ -352,7 +325,7 @@ def capture_context(model: Any, block: Block, layers: Sequence[int], n_queries: 
         fkw["logits_to_keep"] = 2  # positions L-2 and L-1 only
     models.disable_tf32()
     with torch.no_grad():
-        with _record(model, layers) as rec:
+        with models._hooks(model, layers) as rec:
             out = model(input_ids=ids[None], position_ids=torch.arange(n, device=dev)[None],
                         use_cache=True, **fkw)
         full = _rows(rec, 1, n, H, r, m)
@@ -366,7 +339,7 @@ def capture_context(model: Any, block: Block, layers: Sequence[int], n_queries: 
                                f"after cropping, expected {n - 1}")
         cand = models.top_candidates(logits, observed, n_queries - 1, exclude=exclude)
         pos = torch.tensor([[n - 1]], device=dev)
-        with _record(model, layers) as rec:
+        with models._hooks(model, layers) as rec:
             for t in cand:
                 base(input_ids=torch.tensor([[t]], device=dev), position_ids=pos,
                      use_cache=True, **{ckw: cache})
