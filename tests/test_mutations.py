@@ -27,7 +27,7 @@ def problem():
                         layout="half", base=100.0)
 
 
-def _check(p, monkeypatch, name, target, mutant, gauge="original"):
+def _check_mutant_caught(p, monkeypatch, name, target, mutant, gauge="original"):
     good = verify_against_exact(p, gauge)
     assert _ok(good), good
     monkeypatch.setattr(fast, target, mutant)
@@ -38,7 +38,7 @@ def _check(p, monkeypatch, name, target, mutant, gauge="original"):
 
 def test_mutant_softmax_mean_instead_of_uniform_mean(problem, monkeypatch):
     y_soft = fast.step(*problem.args(), bias=problem.bias).y  # the softmax mean of the values
-    _check(problem, monkeypatch, "mu = softmax mean", "uniform_mean", lambda v, mk: y_soft)
+    _check_mutant_caught(problem, monkeypatch, "mu = softmax mean", "uniform_mean", lambda v, mk: y_soft)
 
 
 def test_mutant_bias_row_dropped(problem, monkeypatch):
@@ -63,7 +63,7 @@ def test_mutant_wrong_rope_pairing(problem, monkeypatch):
     def swapped(x, cos, sin, layout):
         return orig(x, cos, sin, "interleaved" if layout == "half" else "half")
 
-    _check(problem, monkeypatch, "wrong RoPE pairing", "apply_rope", swapped)
+    _check_mutant_caught(problem, monkeypatch, "wrong RoPE pairing", "apply_rope", swapped)
 
 
 def test_mutant_query_position_off_by_one(problem, monkeypatch):
@@ -72,7 +72,7 @@ def test_mutant_query_position_off_by_one(problem, monkeypatch):
     def shifted(spec, weights, x_q, pos_q, *a, **k):
         return orig(spec, weights, x_q, torch.as_tensor(pos_q) + 1, *a, **k)
 
-    _check(problem, monkeypatch, "query position + 1", "project", shifted)
+    _check_mutant_caught(problem, monkeypatch, "query position + 1", "project", shifted)
 
 
 def test_mutant_naive_phi1(monkeypatch):
@@ -83,7 +83,7 @@ def test_mutant_naive_phi1(monkeypatch):
         s = fast._ftensor(s)
         return torch.where(s == 0, torch.ones_like(s), (torch.exp(s) - 1) / s)
 
-    _check(p, monkeypatch, "naive phi1", "phi1", naive)
+    _check_mutant_caught(p, monkeypatch, "naive phi1", "phi1", naive)
 
 
 def test_mutant_wrong_gqa_grouping(monkeypatch):

@@ -352,7 +352,7 @@ def test_cli_tiny_bfloat16(tiny_dir, tmp_path):
 # ---------------------------------------------------------------------------------------------
 # bad input: one line on stderr, exit status 2, no report directory
 # ---------------------------------------------------------------------------------------------
-def _bad(capsys, tmp_path, *args: str, match: str) -> None:
+def _check_one_line_error(capsys, tmp_path, *args: str, match: str) -> None:
     from ropestep import cli
 
     out = tmp_path / "never"
@@ -371,16 +371,16 @@ def _bad(capsys, tmp_path, *args: str, match: str) -> None:
 def test_bad_inputs_one_line_exit_2(tiny_dir, tmp_path, capsys):
     m = ["--model", str(tiny_dir)]
     small = ["--contexts", "1", "--queries", "2", "--prefix-len", "16"]
-    _bad(capsys, tmp_path, *m, *small, "--layers", "5", match="layer 5 out of range")
-    _bad(capsys, tmp_path, *m, *small, "--heads", "9", match="head 9 out of range")
-    _bad(capsys, tmp_path, *m, "--prefix-len", "300", match="exceeds the model's context")
-    _bad(capsys, tmp_path, *m, "--contexts", "500", "--prefix-len", "200", match="too short")
-    _bad(capsys, tmp_path, *m, *small, "--corpus", str(tmp_path / "nope.txt"),
+    _check_one_line_error(capsys, tmp_path, *m, *small, "--layers", "5", match="layer 5 out of range")
+    _check_one_line_error(capsys, tmp_path, *m, *small, "--heads", "9", match="head 9 out of range")
+    _check_one_line_error(capsys, tmp_path, *m, "--prefix-len", "300", match="exceeds the model's context")
+    _check_one_line_error(capsys, tmp_path, *m, "--contexts", "500", "--prefix-len", "200", match="too short")
+    _check_one_line_error(capsys, tmp_path, *m, *small, "--corpus", str(tmp_path / "nope.txt"),
          match="does not exist")
-    _bad(capsys, tmp_path, *m, *small, "--queries", "1", match="--queries must be >= 2")
-    _bad(capsys, tmp_path, "--model", str(tmp_path / "missing_model"), *small,
+    _check_one_line_error(capsys, tmp_path, *m, *small, "--queries", "1", match="--queries must be >= 2")
+    _check_one_line_error(capsys, tmp_path, "--model", str(tmp_path / "missing_model"), *small,
          match="does not exist")
-    _bad(capsys, tmp_path, *m, *small, "--dtype", "float16", match="invalid choice")
+    _check_one_line_error(capsys, tmp_path, *m, *small, "--dtype", "float16", match="invalid choice")
 
 
 @pytest.mark.model
@@ -388,15 +388,15 @@ def test_unknown_model_type_and_hub_unreachable(tmp_path, capsys, monkeypatch):
     transformers = pytest.importorskip("transformers")
     gpt2 = tmp_path / "gpt2"
     transformers.AutoConfig.for_model("gpt2", n_layer=1, n_embd=32, n_head=2).save_pretrained(gpt2)
-    _bad(capsys, tmp_path, "--model", str(gpt2), match="unsupported architecture")
+    _check_one_line_error(capsys, tmp_path, "--model", str(gpt2), match="unsupported architecture")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    _bad(capsys, tmp_path, "--model", "some-org/not-a-local-model", match="unreachable")
+    _check_one_line_error(capsys, tmp_path, "--model", "some-org/not-a-local-model", match="unreachable")
     try:
         import datasets  # noqa: F401
         monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     except ImportError:
         pass
-    _bad(capsys, tmp_path, "--model", "some-org/x", "--corpus", "wikitext2", match="WikiText")
+    _check_one_line_error(capsys, tmp_path, "--model", "some-org/x", "--corpus", "wikitext2", match="WikiText")
 
 
 def test_console_script_bad_input_subprocess(tmp_path):
