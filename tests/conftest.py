@@ -7,6 +7,8 @@
 import os
 import sys
 
+import pytest
+import torch
 from hypothesis import HealthCheck, settings
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -19,3 +21,12 @@ settings.register_profile("ci", max_examples=200, derandomize=True, **_common)
 settings.register_profile("fuzz", max_examples=2000, **_common)
 settings.register_profile("quick", max_examples=20, derandomize=True, **_common)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+@pytest.fixture
+def one_thread():
+    """Small problems: one intra-op thread (two threads thrash when the 2 cores are shared)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

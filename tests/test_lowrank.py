@@ -15,13 +15,7 @@ from ropestep import tolerances as tl
 
 from test_scale import make_layer, rel
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Small problems: one intra-op thread (two threads thrash when the 2 cores are shared)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 SPREADS = [0.5, 1, 2, 5, 10, 20, 40, 60, 80]

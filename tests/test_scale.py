@@ -19,13 +19,7 @@ from ropestep import tolerances as tl
 from ropestep.spec import HeadSpec, HeadWeights, RoPESpec
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Small problems: one intra-op thread (two threads thrash when the 2 cores are shared)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def make_layer(H=4, Hk=2, d=8, m=12, N=96, seed=0, q_std=0.4, bias=True, **kw):
@@ -70,12 +64,12 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("gauge", ["original", "maxkey", "pairwise"])
-@pytest.mark.parametrize("case", list(CASES))
+# low-rank pairwise is for phi = id: soft-capped heads raise NotImplementedError (tested below)
+@pytest.mark.parametrize("case,gauge", [(c, g) for c in CASES
+                                        for g in ("original", "maxkey", "pairwise")
+                                        if not (g == "pairwise" and "softcap" in CASES[c])])
 def test_matches_fast_step(case, gauge):
     kw = dict(CASES[case])
-    if gauge == "pairwise" and "softcap" in kw:
-        pytest.skip("pairwise low rank is for phi = id (NotImplementedError tested below)")
     spec, w, x = make_layer(**kw)
     N = x.shape[0]
     pos = np.arange(N)
