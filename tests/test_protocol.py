@@ -131,9 +131,10 @@ def test_tokenwise_formula_matches_measured_reuse_error():
     # and the library's tokenwise term is the same thing
     r = fast.frozen_reuse(st, 0)
     assert rs.normwise_agreement(r.tokenwise[:, 1:].numpy(), measured[:, 1:].numpy()) <= 1e-12
-    # the protocol's QR form of the bound equals the library's explicit operator norm
-    np.testing.assert_allclose(protocol.reuse_bound(st, 0).numpy(), r.bound.numpy(),
-                               rtol=1e-10, atol=1e-12)
+    # the library's QR form of the bound equals the explicit operator norm of dM_i - dM_0
+    explicit = torch.linalg.vector_norm(u, dim=-1)[None] * torch.linalg.matrix_norm(
+        st.delta_m - st.delta_m[:, :1], ord=2)
+    np.testing.assert_allclose(r.bound.numpy(), explicit.numpy(), rtol=1e-10, atol=1e-12)
     assert bool((measured[:, 1:].norm(dim=-1) <= r.bound[:, 1:] * (1 + 1e-12)).all())
 
 

@@ -700,14 +700,28 @@ def frozen_reuse(st: Step, anchor: int = 0, bound: bool = True) -> Reuse:
     vc = torch.where(st.mask[None, :, :, None], vc, torch.zeros_like(vc))
     tok = ((dc * sc)[:, :, None] @ vc)[:, :, 0]
     rt = st.t - ta
-    bnd = None
-    if bound and P.spec.affine:
-        L = P.lmap()
-        dm = L @ rt
-        if st.b is not None:
-            dm[:, :, -1] += st.b - ba
-        bnd = torch.linalg.vector_norm(P.u_q, dim=-1)[None] * torch.linalg.matrix_norm(dm, ord=2)
+    bnd = reuse_bound(st, anchor) if bound and P.spec.affine else None
     return Reuse(frozen, err, tok, rt, bnd)
+
+
+def reuse_bound(st: Step, anchor: int = 0) -> torch.Tensor:
+    """``||u_i|| ||dM_i - dM_a||_op`` for every head and query of a shared-position bank, (H, Q).
+
+    All queries sit at one position, so they share ``L`` and ``dM_i - dM_a = L^ M_i`` with
+    ``L^ = [L | e_{m+1}]`` ((m+1) x (d+1)) and ``M_i = [T_i - T_a; (b_i - b_a)^T]``; with the thin
+    QR ``L^ = Q R`` the operator norm is ``||R M_i||_op`` -- a (d+1) x r matrix instead of an
+    (m+1) x r one.  
+    """
+    P: Projected = st.extras["projected"]
+    L = P.lmap(slice(anchor, anchor + 1))[:, 0]  # (H, m+1, d)
+    e = torch.zeros_like(L[..., :1])
+    e[:, -1] = 1
+    R = torch.linalg.qr(torch.cat((L, e), -1), mode="r").R  # (H, d+1, d+1)
+    dt = st.t - st.t[:, anchor:anchor + 1]  # (H, Q, d, r)
+    db = (torch.zeros_like(dt[:, :, :1]) if st.b is None
+          else (st.b - st.b[:, anchor:anchor + 1])[:, :, None])
+    op = torch.linalg.matrix_norm(R[:, None] @ torch.cat((dt, db), 2), ord=2)  # (H, Q)
+    return torch.linalg.vector_norm(P.u_q, dim=-1)[None] * op
 
 
 def prefix_full(y_prefix: torch.Tensor, v_self: torch.Tensor, pi: torch.Tensor) -> torch.Tensor:

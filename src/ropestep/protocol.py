@@ -374,26 +374,6 @@ def explicit_readout(st: fast.Step, x_q: torch.Tensor) -> torch.Tensor:
     return st.mu + torch.einsum("qm,hqmr->hqr", u, st.delta_m)
 
 
-def reuse_bound(st: fast.Step, anchor: int = 0) -> torch.Tensor:
-    """``||u_i|| ||dM_i - dM_a||_op`` for every head and query of a shared-position bank, (H, Q).
-
-    All queries sit at one position, so they share ``L`` and ``dM_i - dM_a = L^ M_i`` with
-    ``L^ = [L | e_{m+1}]`` ((m+1) x (d+1)) and ``M_i = [T_i - T_a; (b_i - b_a)^T]``; with the thin
-    QR ``L^ = Q R`` the operator norm is ``||R M_i||_op`` -- a (d+1) x r matrix instead of an
-    (m+1) x r one.  Same value as :func:`ropestep.fast.frozen_reuse`'s ``bound``.
-    """
-    P: fast.Projected = st.extras["projected"]
-    L = P.lmap(slice(anchor, anchor + 1))[:, 0]  # (H, m+1, d)
-    e = torch.zeros_like(L[..., :1])
-    e[:, -1] = 1
-    R = torch.linalg.qr(torch.cat((L, e), -1), mode="r").R  # (H, d+1, d+1)
-    dt = st.t - st.t[:, anchor:anchor + 1]  # (H, Q, d, r)
-    db = (torch.zeros_like(dt[:, :, :1]) if st.b is None
-          else (st.b - st.b[:, anchor:anchor + 1])[:, :, None])
-    op = torch.linalg.matrix_norm(R[:, None] @ torch.cat((dt, db), 2), ord=2)  # (H, Q)
-    return torch.linalg.vector_norm(P.u_q, dim=-1)[None] * op
-
-
 @dataclass
 class LayerContext:
     """Numbers of one context at one layer (arrays for pooling; dicts for the report)."""
@@ -501,7 +481,7 @@ def evaluate_layer(spec, weights, cap: ContextCapture, layer: int, model_dtype: 
     y, mu = stP.y, stP.mu  # (H, Q, r)
     P = stP.extras["projected"]
     reuse0 = fast.frozen_reuse(stP, anchor=0, bound=False)
-    bound0 = reuse_bound(stP, anchor=0)  # (H, Q)
+    bound0 = fast.reuse_bound(stP, anchor=0)  # (H, Q)
     tb = stP.t  # (H, Q, d, r)
     frozen_all = mu[None] + torch.einsum("hid,hadr->ahir", P.q, tb)  # (A, H, Q, r)
     if stP.b is not None:
