@@ -475,7 +475,9 @@ def evaluate_layer(spec, weights, cap: ContextCapture, layer: int, model_dtype: 
                            "vs_native": _err(rd[h], native[h]),
                            "identity": _err(st.y[h].to(f64), rd[h])} for h in range(H)],
                 "combined": {"vs_float64": _err(write(rd), oF),
-                             "vs_native": _err(write(rd), native_o)}}
+                             "vs_native": _err(write(rd), native_o)},
+                # the readout sum's condition number (fast.Step.kappa): digits it can lose
+                "kappa": {"median": float(st.kappa.median()), "max": float(st.kappa.max())}}
 
     # -- frozen reuse on the prefix bank --
     y, mu = stP.y, stP.mu  # (H, Q, r)
@@ -602,6 +604,9 @@ def summarize_layer(ctxs: list[LayerContext], heads: Sequence[int], n_heads: int
         ent["combined"] = {part: {"mse": _mean([x[part]["mse"] for x in cr]),
                                   "max_abs": max(x[part]["max_abs"] for x in cr)}
                            for part in ("vs_float64", "vs_native")}
+        ks = [lc.fast_rows[key]["kappa"] for lc in ctxs]
+        ent["kappa"] = {"median": float(np.median([k["median"] for k in ks])),
+                        "max": max(k["max"] for k in ks)}
         fast_out[key] = ent
 
     # frozen reuse: the table, combined and per head

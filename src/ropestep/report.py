@@ -192,18 +192,24 @@ def _layer_md(layer: int, lr: dict, r: dict, paper: dict | None, figs: list[str]
     L += ["### Fast path (full bank, combined write)", "",
           "The torch fast path evaluated in float32 and bfloat16 (inputs rounded to the dtype, "
           "float32 accumulation) in the original and max-key gauges, against the float64 "
-          "softmax output and against the native write.", ""]
+          "softmax output and against the native write. kappa is the readout sum's condition "
+          "number (`fast.Step.kappa`, per head and query: median over contexts of the median, "
+          "and the max): the readout can lose about log10(kappa) digits, so the better "
+          "conditioned gauge is the more accurate one.", ""]
     rows = []
     for key, ent in lr["fast"].items():
         if "error" in ent:
-            rows.append([key, "error: " + ent["error"][:60], "", "", "", ""])
+            rows.append([key, "error: " + ent["error"][:60], "", "", "", "", ""])
             continue
         cb = ent["combined"]
         worst = max(h["vs_float64"]["max_abs"] for h in ent["heads"]) if ent["heads"] else None
+        kp = ent.get("kappa", {})
+        kap = f"{fmt(kp['median'])} / {fmt(kp['max'])}" if kp else ""
         rows.append([key, fmt(cb["vs_float64"]["mse"]), fmt(cb["vs_float64"]["max_abs"]),
-                     fmt(cb["vs_native"]["mse"]), fmt(cb["vs_native"]["max_abs"]), fmt(worst)])
+                     fmt(cb["vs_native"]["mse"]), fmt(cb["vs_native"]["max_abs"]), fmt(worst),
+                     kap])
     L += _table(["dtype/gauge", "vs float64 MSE", "vs float64 max", "vs native MSE",
-                 "vs native max", "worst head vs float64 max"], rows)
+                 "vs native max", "worst head vs float64 max", "kappa median / max"], rows)
     L.append("")
 
     tab = reuse["combined"]
