@@ -454,6 +454,14 @@ def uniform_mean(v: torch.Tensor, mk: torch.Tensor) -> torch.Tensor:
     return (mk.to(v.dtype)[None] @ v) / mk.sum(-1).to(v.dtype)[None, :, None]
 
 
+def _kappa(weight: torch.Tensor, vc: torch.Tensor, v: torch.Tensor, m3: torch.Tensor
+           ) -> torch.Tensor:
+    """``sum_j weight_j (|v_j - mu|_inf + |v_j|_inf) / max_j |v_j|_inf`` over the permitted set."""
+    va = torch.where(m3, v.abs().amax(-1)[:, None, :], torch.zeros_like(weight))  # (H, Qc, N)
+    vn = vc.abs().amax(-1) + va
+    return (weight * vn).sum(-1) / va.amax(-1).clamp_min(torch.finfo(vn.dtype).tiny)
+
+
 def _step_chunk(P: Projected, mk: torch.Tensor, idx: slice, kind: str, g: torch.Tensor | None,
                 want_dm: bool, softcap: float | None) -> dict[str, torch.Tensor]:
     q = P.q[:, idx]  # (H, Qc, d)
@@ -503,14 +511,20 @@ def _step_chunk(P: Projected, mk: torch.Tensor, idx: slice, kind: str, g: torch.
             f"the gauge anchor sits {float((zsig - zmax)[bad[0], bad[1], 0]):.0f} above every "
             "score, so its coefficients exceed the float range (MATH.md section 2); "
             "use gauge='maxkey'")
-    # condition number of the readout sum, relative to the value scale S = max_j |v_j|:
-    # kappa = sum_j |c_j (s_j - sigma)| (|v_j - mu| + |v_j|) / S -- the |v_j| term because
-    # v_j - mu itself carries a rounding error ~ u |v_j| that the sum then amplifies
-    va = torch.where(m3, v.abs().amax(-1)[:, None, :], torch.zeros_like(s))  # (H, Qc, N)
-    vn = vc.abs().amax(-1) + va
-    out["kappa"] = (c * (s - sig)).abs().mul(vn).sum(-1) / va.amax(-1).clamp_min(
-        torch.finfo(vn.dtype).tiny)
     kc = k[:, None] if koff is None else k[:, None] - koff[:, :, None]  # (H, Qc|1, N, d)
+    # condition number of the readout, relative to the value scale S = max_j |v_j|:
+    #   kappa = sum_j |c_j| (|q| . |k~_j - k_o| + |beta_j - beta_o| + |sigma|) (|v_j - mu| + |v_j|) / S
+    # -- the rounding of q . T scales with |q| . |k~_j - k_o| (>= |s_j - sigma|), and v_j - mu
+    # itself carries a rounding error ~ u |v_j| that the sum then amplifies
+    if koff is None:
+        absdot = q.abs() @ k.abs().transpose(-1, -2)  # (H, Qc, N)
+    else:
+        absdot = (q.abs()[:, :, None, :] * kc.abs()).sum(-1)
+    if beta is not None:
+        absdot = absdot + (beta if boff is None else beta - boff).abs()
+    if sigma is not None:
+        absdot = absdot + sigma.abs()[..., None]
+    out["kappa"] = _kappa(c.abs() * absdot, vc, v, m3)
     t = (c[..., None] * kc).transpose(-1, -2) @ vc  # (H, Qc, d, r)
     b = None
     if beta is not None:
@@ -566,7 +580,16 @@ def _pairwise_chunk(P, out, q, s, z, zmax, zbar, mk, vc, beta, softcap, idx, wan
         b = (bc[:, :, None] @ lv)[:, :, 0]
         readout = readout + b
         out["b"] = b
-    out.update(t=t, readout=readout, kappa=torch.full_like(readout[..., 0], 4.0))
+    # condition number: the contraction q . T rounds at |q| . |kc_j| per key, and lv_j itself
+    # at sum_k D_jk (|v_j - mu| + |v_j| + |v_k - mu| + |v_k|) / N
+    va = torch.where(m3, P.v.abs().amax(-1)[:, None, :], torch.zeros_like(s))
+    vab = vc.abs().amax(-1) + va  # (H, Qc, N)
+    lvb = (D.sum(-1) * vab + (D @ vab[..., None])[..., 0]) / nper[..., 0]
+    absdot = (q.abs()[:, :, None, :] * kc.abs()).sum(-1)
+    if beta is not None:
+        absdot = absdot + bc.abs()
+    out["kappa"] = (absdot * lvb).sum(-1) / va.amax(-1).clamp_min(torch.finfo(s.dtype).tiny)
+    out.update(t=t, readout=readout)
     if want_dm:
         dm = P.lmap(idx) @ t
         if b is not None:
@@ -654,7 +677,9 @@ def descent(st: Step) -> DescentCheck:
     mu = st.mu
     vc = P.v[:, None] - mu[:, :, None]
     e0 = 0.5 * (st.c * (vc * vc).sum(-1)).sum(-1)
-    pred = khat @ (Mm @ tb)  # (H, Q, N, r): a_j^T Delta M
+    # a_j^T Delta M = k^_j L^^T (L^ tb): apply L^ first, so components of tb in the null space
+    # of L^ (killed in Delta M) never meet a rounded Gram matrix
+    pred = khat @ (Lh.transpose(-1, -2) @ (Lh @ tb))  # (H, Q, N, r)
     res = pred - vc
     e1 = 0.5 * (st.c * (res * res).sum(-1)).sum(-1)
     return DescentCheck(lam, e0, e1)

@@ -10,15 +10,18 @@ Accuracy and Stability of Numerical Algorithms, section 3.1).
   carry ``gamma_{d+m+8}`` relative error, plus the exponential of a score with absolute error
   ``gamma_d |q||k|``, which at |s| <= 1400/2 costs at most ``700 u = 8e-14`` relative: all
   below ``1e-12`` with a margin of 10 for unlucky accumulation.
-* The readout ``mu + u^T Delta M`` is a sum whose terms can be much larger than the result
-  (the original gauge with every score very negative: terms ~ e^{-z_max}).  Its forward error
-  is bounded by ``(gamma_{N+d+8} + u max|s|) * kappa * S`` (scores of size |s| carry an
-  absolute rounding error ``u |s|`` into ``e^s``) with ``S = max_j |v_j|_inf`` the value scale
-  and ``kappa = sum_j |c_j (s_j - sigma)| (|v_j - mu|_inf + |v_j|_inf) / S`` the condition
-  number of that sum (returned by ``fast.step`` as ``Step.kappa``; the ``|v_j|`` term because
-  the centred value ``v_j - mu`` is itself rounded).  Since ``|c_j (s_j - s_max)| <= 1/Zbar``,
-  ``kappa <= 3N`` in the max-key gauge (``<= 4`` pairwise); it is unbounded in the original
-  gauge.
+* The readout ``mu + u^T Delta M = mu + q . T + b`` is a sum whose terms can be much larger
+  than the result (the original gauge with every score very negative: terms ~ e^{-z_max}; the
+  max-key gauge under an attention sink: ~N terms that nearly cancel).  Its forward error is
+  bounded by ``(gamma_{N+d+8} + u max|s|) * kappa * S`` (scores of size |s| carry an absolute
+  rounding error ``u |s|`` into ``e^s``) with ``S = max_j |v_j|_inf`` the value scale and
+
+      kappa = sum_j |c_j| (|q| . |k~_j - k_o| + |beta_j - beta_o| + |sigma|) (|v_j - mu| + |v_j|) / S
+
+  the condition number of the sum as it is evaluated (returned by ``fast.step`` as
+  ``Step.kappa``): the contraction ``q . T`` rounds at the size of ``|q| . |k~_j - k_o|``
+  (>= ``|s_j - sigma|``), and the centred value ``v_j - mu`` is itself rounded at ``u |v_j|``.
+  The pairwise gauge has the analogous sum over its Laplacian form.
 * float32/bfloat16: ``err(fast) <= K_LOW * err(naive) + FLOOR_LOW * u * max(1, kappa)``
   (readouts, relative to the value scale; matrices relative to their sum-of-absolute-terms
   scale with floor ``FLOOR_LOW * u``), the naive computation being the paper's direct formula with every operation rounded
