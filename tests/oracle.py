@@ -60,3 +60,26 @@ def verify_against_exact(p, gauge="original") -> dict:
         ro = st_.mu.numpy() + np.einsum("qa,hqar->hqr", u, st_.delta_m.numpy())
         out["identity_dm"] = float(np.abs(ro - y_ex).max() / vs)
     return out
+
+
+def pairwise_route_abs(E: exact.ExactHead, h: int, i: int) -> float:
+    """Absolute-term scale of the pairwise matrix as the fast layer evaluates it: the Laplacian
+    form ``sum_j (a_j - a_bar) [sum_k D_jk ((v_j - mu) - (v_k - mu))] / (N Z)`` with features
+    centred on their permitted mean (``fast._pairwise_chunk``).  Its rounding is relative to
+    this, which can exceed the double sum's own scale (:func:`exact.delta_m_abs`)."""
+    with mp.workprec(E.prec):
+        perm = list(np.flatnonzero(E.mask[i]))
+        D_, r = len(E.u[h, i]), E.spec.r
+        n = len(perm)
+        abar = [mp.fsum(E.feats[h, i, j][t] for j in perm) / n for t in range(D_)]
+        w = {(j, k): exact.exp_phi_dd(E.s[h, i, j], E.s[h, i, k], E.spec.softcap) / (n * E.Z[h, i])
+             for j in perm for k in perm if j != k}
+        best = mp.mpf(0)
+        for t in range(D_):
+            for q in range(r):
+                vb = {j: abs(E.v[h, j, q] - E.mu[h, i, q]) + abs(E.v[h, j, q]) for j in perm}
+                tot = mp.fsum(abs(E.feats[h, i, j][t] - abar[t]) *
+                              mp.fsum(w[j, k] * (vb[j] + vb[k]) for k in perm if k != j)
+                              for j in perm)
+                best = max(best, tot)
+        return float(best)
