@@ -22,9 +22,10 @@ Accuracy and Stability of Numerical Algorithms, section 3.1).
   ``Step.kappa``): the contraction ``q . T`` rounds at the size of ``|q| . |k~_j - k_o|``
   (>= ``|s_j - sigma|``), and the centred value ``v_j - mu`` is itself rounded at ``u |v_j|``.
   The pairwise gauge has the analogous sum over its Laplacian form.
-* float32/bfloat16: ``err(fast) <= K_LOW * err(naive) + FLOOR_LOW * u * max(1, kappa)``
+* float32/bfloat16: ``err(fast) <= K_LOW * err(naive) + (FLOOR_LOW + max|s|) * u * max(1, kappa)``
   (readouts, relative to the value scale; matrices relative to their sum-of-absolute-terms
-  scale with floor ``FLOOR_LOW * u``), the naive computation being the paper's direct formula with every operation rounded
+  scale with floor ``(FLOOR_LOW + max|s|) * u``: the ``u |s|`` rounding of a score reaches
+  ``e^s``, and both computations carry an independent draw of it), the naive computation being the paper's direct formula with every operation rounded
   to 24 bits (``exact.build_rounded``) on the same dtype-rounded inputs.  Both are first-order
   error propagations of the same sums; the fast path routes through query space (T_i, then
   ``L_i T_i``), which adds at most ``d + 2`` roundings per term to the naive path's ``m + d``
