@@ -120,7 +120,8 @@ def default_corpus_path() -> Path:
     return Path(__file__).resolve().parent / "data" / DEFAULT_FILE
 
 
-def _sha256_file(path: Path) -> str:
+def sha256_file(path: str | Path) -> str:
+    """Hex sha256 of a file, read in 1 MiB chunks (corpus and model provenance)."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
@@ -156,7 +157,7 @@ def load_text_file(path: str | Path) -> Corpus:
         articles = split_text(raw)
         kind = "txt"
     return Corpus(name=str(p), articles=articles,
-                  source={"kind": kind, "path": str(p.resolve()), "sha256": _sha256_file(p)})
+                  source={"kind": kind, "path": str(p.resolve()), "sha256": sha256_file(p)})
 
 
 def load_default() -> Corpus:

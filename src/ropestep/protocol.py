@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import hashlib
 import inspect
 import os
 import platform
@@ -39,7 +38,7 @@ import torch
 
 from . import __version__, fast
 from . import reuse_stats as rs
-from .corpus import Block, CorpusError, load_corpus, select_blocks, tokenizer_fn
+from .corpus import Block, CorpusError, load_corpus, select_blocks, sha256_file, tokenizer_fn
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 SMOLLM2_ALIAS = "smollm2"
@@ -163,14 +162,6 @@ def check_sizes(cfg: Config) -> None:
 # ---------------------------------------------------------------------------------------------
 # model and provenance
 # ---------------------------------------------------------------------------------------------
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def load(cfg: Config) -> tuple[Any, Any, dict]:
     """Load ``(model, tokenizer, provenance)``; ``cfg.model == "smollm2"`` is the packaged GGUF."""
     from . import models
@@ -191,15 +182,15 @@ def load(cfg: Config) -> tuple[Any, Any, dict]:
                   "commit_hash": getattr(model.config, "_commit_hash", None)}
     p = Path(source).expanduser()
     if p.is_file() and p.suffix == ".gguf":
-        prov["gguf_file"], prov["gguf_sha256"] = p.name, _sha256(p)
+        prov["gguf_file"], prov["gguf_sha256"] = p.name, sha256_file(p)
     elif p.is_dir():
         if gguf is not None:
-            prov["gguf_file"], prov["gguf_sha256"] = gguf, _sha256(p / gguf)
+            prov["gguf_file"], prov["gguf_sha256"] = gguf, sha256_file(p / gguf)
         else:
             for f in sorted(p.glob("*.safetensors")) + sorted(p.glob("*.bin")):
-                prov["weights_sha256"][f.name] = _sha256(f)
+                prov["weights_sha256"][f.name] = sha256_file(f)
             if (p / "config.json").is_file():
-                prov["config_sha256"] = _sha256(p / "config.json")
+                prov["config_sha256"] = sha256_file(p / "config.json")
     return model, tok, prov
 
 
