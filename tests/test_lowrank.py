@@ -81,8 +81,8 @@ def test_lowrank_matches_exact_pairwise_up_to_spread_80(spread):
                  - s.masked_fill(~mask, math.inf).amin(-1)).max())
     f = spread / cur
     w.w_q, w.b_q = w.w_q * f, w.b_q * f  # scores scale linearly with the query
-    ex = lowrank.pairwise_layer(spec, w, x, method="exact")
-    lo = lowrank.pairwise_layer(spec, w, x, method="lowrank")
+    ex = scale.pairwise_layer(spec, w, x, method="exact")
+    lo = scale.pairwise_layer(spec, w, x, method="lowrank")
     res = scale.identity_check(spec, w, x, gauge="pairwise")
     e_t = max(rel(lo["t"][h, i], ex["t"][h, i]) for h in range(2) for i in range(60))
     e_r = rel(lo["readout"], ex["readout"])
@@ -97,7 +97,7 @@ def test_lowrank_matches_fast_and_mpmath():
     spec, w, x = make_layer(H=2, Hk=1, d=4, m=5, N=10, seed=12, alibi_slopes=(0.4, 0.1))
     st = fast.step(spec, w, x, np.arange(10), x, np.arange(10), "causal", gauge="pairwise",
                    delta_m=True)
-    lo = lowrank.pairwise_layer(spec, w, x, delta_m=True)
+    lo = scale.pairwise_layer(spec, w, x, delta_m=True)
     for k in ("t", "b", "delta_m", "readout"):
         assert rel(lo[k], getattr(st, k)) <= tl.FLOAT64_REL, k
     E = exact.build(spec, w, x, np.arange(10), x, np.arange(10), "causal", dps=40)
@@ -128,8 +128,8 @@ def test_kernel_terms_directly():
 
 def test_float32_pairwise():
     spec, w, x = make_layer(H=2, Hk=1, d=8, m=12, N=50, seed=13)
-    ref = lowrank.pairwise_layer(spec, w, x, method="exact")
-    lo = lowrank.pairwise_layer(spec, w, x, dtype=torch.float32)
+    ref = scale.pairwise_layer(spec, w, x, method="exact")
+    lo = scale.pairwise_layer(spec, w, x, dtype=torch.float32)
     e = rel(lo["readout"], ref["readout"])
     print(e)
     assert e <= 1e-4  # float32 rounding of the scores (|s| ~ 10) dominates: ~ |s| u N
@@ -138,4 +138,4 @@ def test_float32_pairwise():
 def test_softcap_is_not_implemented():
     spec, w, x = make_layer(N=20, softcap=5.0)
     with pytest.raises(NotImplementedError, match="softcap"):
-        lowrank.pairwise_layer(spec, w, x)
+        scale.pairwise_layer(spec, w, x)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ropestep import fast, tolerances
+from ropestep import fast, kernel, tolerances
 from oracle import verify_against_exact
 from strategies import make_problem
 
@@ -27,10 +27,10 @@ def problem():
                         layout="half", base=100.0)
 
 
-def _check_mutant_caught(p, monkeypatch, name, target, mutant, gauge="original"):
+def _check_mutant_caught(p, monkeypatch, name, target, mutant, gauge="original", module=fast):
     good = verify_against_exact(p, gauge)
     assert _ok(good), good
-    monkeypatch.setattr(fast, target, mutant)
+    monkeypatch.setattr(module, target, mutant)
     bad = verify_against_exact(p, gauge)
     print(f"{name}: correct {good} -> mutant {bad}")
     assert not _ok(bad), f"mutant '{name}' survived: {bad}"
@@ -38,7 +38,8 @@ def _check_mutant_caught(p, monkeypatch, name, target, mutant, gauge="original")
 
 def test_mutant_softmax_mean_instead_of_uniform_mean(problem, monkeypatch):
     y_soft = fast.step(*problem.args(), bias=problem.bias).y  # the softmax mean of the values
-    _check_mutant_caught(problem, monkeypatch, "mu = softmax mean", "uniform_mean", lambda v, mk: y_soft)
+    _check_mutant_caught(problem, monkeypatch, "mu = softmax mean", "uniform_mean",
+                         lambda v, mk: y_soft, module=kernel)
 
 
 def test_mutant_bias_row_dropped(problem, monkeypatch):
@@ -80,10 +81,10 @@ def test_mutant_naive_phi1(monkeypatch):
     p = make_problem(seed=8, m=3, H=1, Hk=1, d=4, r=2, N=6, scale=1e-7)
 
     def naive(s):
-        s = fast._ftensor(s)
+        s = kernel.ftensor(s)
         return torch.where(s == 0, torch.ones_like(s), (torch.exp(s) - 1) / s)
 
-    _check_mutant_caught(p, monkeypatch, "naive phi1", "phi1", naive)
+    _check_mutant_caught(p, monkeypatch, "naive phi1", "phi1", naive, module=kernel)
 
 
 def test_mutant_wrong_gqa_grouping(monkeypatch):

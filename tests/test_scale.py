@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from ropestep import exact, fast, scale
+from ropestep import kernel, exact, fast, scale
 from ropestep import tolerances as tl
 from ropestep.spec import HeadSpec, HeadWeights, RoPESpec
 
@@ -246,20 +246,28 @@ def test_mutation_wrong_phi1_turns_red(monkeypatch):
     """Guard against tautology: with exp in place of phi_1 the identity must fail."""
     spec, w, x = make_layer(N=80, seed=8)
     ok = scale.identity_check(spec, w, x, gauge="maxkey")
-    monkeypatch.setattr(scale, "phi1", torch.exp)
+    monkeypatch.setattr(kernel, "phi1", torch.exp)
     bad = scale.identity_check(spec, w, x, gauge="maxkey")
     print(ok.max_rel, bad.max_rel)
     assert ok.max_rel.max() <= tl.FLOAT64_REL and bad.max_rel.min() > 1e-3
 
 
-def test_mutation_wrong_mean_turns_red():
-    """Only the uniform mean makes the identity hold: shifting mu breaks it (MATH.md section 1)."""
-    spec, w, x = make_layer(N=60, seed=9)
-    out = scale.materialise(spec, w, x, gauge="maxkey")
-    ch = next(iter(scale.stream(spec, w, x, gauge="maxkey", queries=[59])))
-    shifted = ch.mu_c + 0.01 + (ch.readout_c - ch.mu_c)  # mu + 0.01 + q T
-    assert rel(out["readout"], out["y"]) <= tl.FLOAT64_REL
-    assert float((shifted - ch.y_c).abs().max()) > 1e-3
+def test_mutation_wrong_mean_turns_red(monkeypatch):
+    """Only the uniform mean over the permitted set makes the identity hold (docs/math.md
+    section 1): the kernel's mean mutated to ignore the causal mask (the mean over every key of
+    the chunk) must turn the streamed identity check red, in the per-query and the GEMM forms."""
+    spec, w, x = make_layer(N=90, seed=9)
+    ok = scale.identity_check(spec, w, x, gauge="maxkey")
+    assert ok.max_rel.max() <= tl.FLOAT64_REL
+
+    def unmasked_mean(v, mask):
+        return v.mean(-2, keepdim=True).expand(v.shape[0], mask.shape[0], v.shape[-1])
+
+    monkeypatch.setattr(kernel, "uniform_mean", unmasked_mean)
+    for dk in (0, 200):  # GEMM form only; per-query centring only
+        bad = scale.identity_check(spec, w, x, gauge="maxkey", direct_keys=dk)
+        print(dk, ok.max_rel.max(), bad.max_rel.min())
+        assert bad.max_rel.min() > 1e-3
 
 
 def test_flop_counts():

@@ -15,231 +15,26 @@ with key offset ``k_o`` and bias offset ``beta_o``,
 
 For affine heads (family ``"dot"``) ``q_i = u_i^T L_i`` with ``L_i = W^_q R(p_i)^T * scale`` and
 ``Delta M_i = L_i T_i + e_{m+1} b_i^T`` (minus ``g w_i^T`` in a free gauge ``g``).
-The slow, explicit reference with the same definitions is :mod:`ropestep.exact`.
+Every coefficient, ``T``, ``b``, readout and condition number comes from the one kernel
+(:func:`ropestep.kernel.gauge_chunk`); this module adds the per-query API around it: projection
+of arbitrary query/bank pairs, ``Delta M``, the gradient step and descent, frozen reuse and the
+prefix/full relation.  The slow, explicit references with the same definitions are
+:mod:`ropestep.exact` (mpmath) and :mod:`ropestep.direct` (the paper's form in torch).
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 import numpy as np
 import torch
 
+from .kernel import (FLOAT_DTYPES, LOW_PRECISION, augment, augmented_weight, compute_dtype,  # noqa: F401
+                     exp_dd, ftensor, gauge_chunk, phi1, rms_norm, scaled_phi1, transform,
+                     transform_dd, uniform_mean, unit_rows)
+from .rope import (apply_rope, rope_cos_sin, rope_derivative, rope_finite_difference,  # noqa: F401
+                   rope_frequencies, rope_generator, rope_phi1, rope_rotation)
 from .spec import HeadSpec, HeadWeights, check_inputs, resolve_mask, _positions
-
-LOW_PRECISION = (torch.bfloat16, torch.float16)
-FLOAT_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
-
-# ---------------------------------------------------------------------------------------------
-# phi_1 and divided differences
-# ---------------------------------------------------------------------------------------------
-_BIG = 40.0  # above this, e^{-s} < ulp(1) in float64, so (e^s - 1)/s == e^s/s to rounding
-
-
-def compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype arithmetic is carried out in: bf16/fp16 inputs accumulate in float32."""
-    if dtype not in FLOAT_DTYPES:
-        raise TypeError(f"unsupported dtype {dtype}: use float64, float32, bfloat16 or float16")
-    return torch.float32 if dtype in LOW_PRECISION else dtype
-
-
-def _ftensor(s: Any) -> torch.Tensor:
-    """A floating tensor; Python numbers and lists become float64 (not torch's float32 default)."""
-    if not torch.is_tensor(s) and not isinstance(s, np.ndarray) and not isinstance(s, np.generic):
-        s = torch.as_tensor(s, dtype=torch.float64)
-    t = torch.as_tensor(s)
-    if not t.is_floating_point():
-        t = t.to(torch.float64)
-    return t.to(compute_dtype(t.dtype))
-
-
-def phi1(s: Any) -> torch.Tensor:
-    """``rho(s) = phi_1(s) = (e^s - 1)/s``, ``rho(0) = 1``; strictly positive on the real line.
-
-    ``expm1(s)/s`` near 0 (accurate to a few ulp, no cancellation); for ``s > 40`` the
-    ``-1`` is below rounding and ``e^{s/2} * (e^{s/2}/s)`` stays finite up to s ~ 716 in
-    float64, where ``expm1`` alone overflows at 709.78.  bf16/fp16 inputs are evaluated in
-    float32.
-    """
-    s = _ftensor(s)
-    zero = s == 0
-    big = s > _BIG
-    safe = torch.where(zero | big, torch.ones_like(s), s)
-    out = torch.expm1(safe) / safe
-    half = torch.exp(torch.where(big, s * 0.5, torch.zeros_like(s)))
-    out = torch.where(big, half * (half / torch.where(big, s, torch.ones_like(s))), out)
-    return torch.where(zero, torch.ones_like(s), out)
-
-
-def scaled_phi1(x: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
-    """``e^{shift} * phi_1(x)`` without intermediate overflow.
-
-    For ``x > 40``: ``e^{shift + x} / x`` (the ``-1`` of ``e^x - 1`` is below rounding);
-    otherwise the plain product.  Used for ``c = e^{phi(sigma) - z_max} phi_1(z - phi(sigma))``.
-    """
-    big = x > _BIG
-    xs = torch.where(big, x, torch.ones_like(x))
-    return torch.where(big, torch.exp(shift + xs) / xs, torch.exp(shift) * phi1(x))
-
-
-def exp_dd(a: Any, b: Any) -> torch.Tensor:
-    """Exponential divided difference ``exp[a, b] = (e^a - e^b)/(a - b) = e^b rho(a - b)``.
-
-    Evaluated with ``b`` the larger argument, so ``rho`` sees a non-positive argument.
-    """
-    a, b = torch.broadcast_tensors(_ftensor(a), _ftensor(b))
-    hi, lo = torch.maximum(a, b), torch.minimum(a, b)
-    return torch.exp(hi) * phi1(lo - hi)
-
-
-def transform(s: torch.Tensor, softcap: float | None) -> torch.Tensor:
-    """Score transform ``phi(s)``: identity, or ``softcap * tanh(s / softcap)``."""
-    return s if softcap is None else softcap * torch.tanh(s / softcap)
-
-
-def transform_dd(a: torch.Tensor, b: torch.Tensor, softcap: float | None) -> torch.Tensor:
-    """Divided difference ``phi[a, b] = (phi(a) - phi(b))/(a - b)`` (1 for the identity).
-
-    Soft-cap ``phi(s) = c tanh(s/c)``: with ``A, B = a/c, b/c`` ordered ``hi >= lo`` and
-    ``delta = hi - lo``, ``tanh x = (1 - e^{-2x})/(1 + e^{-2x})`` gives, for ``lo >= 0``,
-
-        phi[a, b] = 4 e^{-2 lo} phi_1(-2 delta) / ((1 + e^{-2 hi})(1 + e^{-2 lo})),
-
-    every factor positive and free of cancellation (mirror it for ``hi <= 0``); across zero
-    ``(tanh hi - tanh lo)/delta`` has no cancellation either.
-    """
-    if softcap is None:
-        return torch.ones(torch.broadcast_shapes(a.shape, b.shape), dtype=a.dtype, device=a.device)
-    A, B = torch.broadcast_tensors(a / softcap, b / softcap)
-    hi, lo = torch.maximum(A, B), torch.minimum(A, B)
-    delta = hi - lo
-    neg = hi <= 0  # mirror: (hi, lo) -> (-lo, -hi)
-    h2 = torch.where(neg, -lo, hi)
-    l2 = torch.where(neg, -hi, lo)
-    l2c = l2.clamp_min(0)
-    h2c = h2.clamp_min(0)
-    same = 4 * torch.exp(-2 * l2c) * phi1(-2 * delta) / (
-        (1 + torch.exp(-2 * h2c)) * (1 + torch.exp(-2 * l2c)))
-    across = (torch.tanh(hi) - torch.tanh(lo)) / torch.where(delta > 0, delta,
-                                                               torch.ones_like(delta))
-    return torch.where((lo < 0) & (hi > 0), across, same)
-
-
-# ---------------------------------------------------------------------------------------------
-# RoPE
-# ---------------------------------------------------------------------------------------------
-def rope_frequencies(base: float, head_dim: int) -> torch.Tensor:
-    """``omega_l = base^(-2l/d)`` for ``l = 0..d/2-1`` in float64."""
-    ell = torch.arange(head_dim // 2, dtype=torch.float64)
-    return torch.as_tensor(float(base), dtype=torch.float64) ** (-2.0 * ell / head_dim)
-
-
-def rope_cos_sin(spec: HeadSpec, positions: Any, dtype: torch.dtype = torch.float64,
-                 device: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin of the RoPE angles, shape ``(H or 1, P, d/2)``.
-
-    From the spec's precomputed tables when present (a model's own float32 tables), else
-    ``cos(p * omega_l)`` computed in float64 per head base and rounded once to ``dtype``.
-    """
-    pos = torch.as_tensor(_positions(positions, "positions"), device=device)
-    d = spec.head_dim
-    if spec.rope.cos is not None:
-        cos = torch.as_tensor(np.asarray(spec.rope.cos) if not torch.is_tensor(spec.rope.cos)
-                              else spec.rope.cos).to(device=device)
-        sin = torch.as_tensor(np.asarray(spec.rope.sin) if not torch.is_tensor(spec.rope.sin)
-                              else spec.rope.sin).to(device=device)
-        return cos[pos].to(dtype)[None], sin[pos].to(dtype)[None]
-    bases = spec.rope.bases(spec.n_heads)
-    uniq = sorted(set(bases))
-    if len(uniq) == 1:
-        bases = bases[:1]
-    omega = torch.stack([rope_frequencies(b, d) for b in bases]).to(device)  # (Hb, d/2)
-    ang = pos.to(torch.float64)[None, :, None] * omega[:, None, :]
-    return torch.cos(ang).to(dtype), torch.sin(ang).to(dtype)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout: str) -> torch.Tensor:
-    """Rotate rows ``x (..., d)`` by ``R(p)``: ``x~ = x R(p)^T`` (pairs per ``layout``).
-
-    ``cos``/``sin`` broadcast against ``x[..., :d/2]``.
-    """
-    d = x.shape[-1]
-    if layout == "half":
-        x1, x2 = x[..., : d // 2], x[..., d // 2:]
-        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-    if layout == "interleaved":
-        x1, x2 = x[..., 0::2], x[..., 1::2]
-        return torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
-    raise ValueError(f"unknown RoPE layout {layout!r}")
-
-
-def rope_generator(spec: HeadSpec, head: int = 0, dtype: torch.dtype = torch.float64) -> torch.Tensor:
-    """The generator ``A`` (d x d, column convention ``R(p) = exp(p A)``) of head ``head``."""
-    d = spec.head_dim
-    omega = rope_frequencies(spec.rope.bases(spec.n_heads)[head], d)
-    A = torch.zeros(d, d, dtype=torch.float64)
-    for ell in range(d // 2):
-        i, j = _pair(ell, d, spec.rope.layout)
-        A[i, j], A[j, i] = -omega[ell], omega[ell]
-    return A.to(dtype)
-
-
-def rope_rotation(spec: HeadSpec, p: float, head: int = 0,
-                  dtype: torch.dtype = torch.float64) -> torch.Tensor:
-    """``R(p) = exp(p A)`` as a d x d matrix (column convention; rows rotate as ``x R^T``)."""
-    d = spec.head_dim
-    omega = rope_frequencies(spec.rope.bases(spec.n_heads)[head], d)
-    R = torch.zeros(d, d, dtype=torch.float64)
-    for ell in range(d // 2):
-        i, j = _pair(ell, d, spec.rope.layout)
-        c, s = math.cos(p * float(omega[ell])), math.sin(p * float(omega[ell]))
-        R[i, i], R[i, j], R[j, i], R[j, j] = c, -s, s, c
-    return R.to(dtype)
-
-
-def rope_phi1(spec: HeadSpec, delta: float, head: int = 0,
-              dtype: torch.dtype = torch.float64) -> torch.Tensor:
-    """``phi_1(delta A)``: per block ``(sin a/a) I + ((1 - cos a)/a) J_2`` with ``a = omega delta``.
-
-    Then ``R(p + delta) - R(p) = delta A phi_1(delta A) R(p)`` exactly (MATH.md section 5).
-    """
-    d = spec.head_dim
-    omega = rope_frequencies(spec.rope.bases(spec.n_heads)[head], d)
-    F = torch.zeros(d, d, dtype=torch.float64)
-    for ell in range(d // 2):
-        i, j = _pair(ell, d, spec.rope.layout)
-        a = float(omega[ell]) * delta
-        if a == 0.0:
-            sa, ca = 1.0, 0.0
-        else:
-            sa = math.sin(a) / a
-            ca = 2.0 * math.sin(a / 2) ** 2 / a  # (1 - cos a)/a without cancellation
-        F[i, i], F[j, j], F[i, j], F[j, i] = sa, sa, -ca, ca
-    return F.to(dtype)
-
-
-def rope_derivative(spec: HeadSpec, z0: Any, p: float, n: int = 1, head: int = 0) -> torch.Tensor:
-    """``d^n/dp^n [R(p) z0] = A^n R(p) z0`` for column vectors ``z0`` (d, ...)."""
-    if n < 0:
-        raise ValueError(f"derivative order must be >= 0, got {n}")
-    z = rope_rotation(spec, p, head) @ torch.as_tensor(z0, dtype=torch.float64)
-    A = rope_generator(spec, head)
-    for _ in range(n):
-        z = A @ z
-    return z
-
-
-def rope_finite_difference(spec: HeadSpec, z: Any, delta: float, head: int = 0) -> torch.Tensor:
-    """``z(p + delta) - z(p) = delta A phi_1(delta A) z(p)`` for column vectors ``z`` (d, ...)."""
-    z = torch.as_tensor(z, dtype=torch.float64)
-    A = rope_generator(spec, head)
-    return delta * (A @ (rope_phi1(spec, delta, head) @ z))
-
-
-def _pair(ell: int, d: int, layout: str) -> tuple[int, int]:
-    return (ell, ell + d // 2) if layout == "half" else (2 * ell, 2 * ell + 1)
-
 
 # ---------------------------------------------------------------------------------------------
 # projections
@@ -250,28 +45,6 @@ def _t(a: Any, dtype: torch.dtype, device: Any) -> torch.Tensor | None:
     if not torch.is_tensor(a):
         a = torch.as_tensor(np.asarray(a))
     return a.to(device=device, dtype=dtype)
-
-
-def augment(x: torch.Tensor) -> torch.Tensor:
-    """``u = [x; 1]``."""
-    return torch.cat((x, torch.ones(*x.shape[:-1], 1, dtype=x.dtype, device=x.device)), dim=-1)
-
-
-def augmented_weight(w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
-    """``W^ = [W; b^T]``: ``(m+1, heads, dim)`` with a zero bias row when ``b`` is None."""
-    row = torch.zeros_like(w[:1]) if b is None else b[None]
-    return torch.cat((w, row), dim=0)
-
-
-def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    return x * torch.rsqrt((x * x).mean(-1, keepdim=True) + eps) * w
-
-
-def _unit(x: torch.Tensor, name: str) -> torch.Tensor:
-    n = torch.linalg.vector_norm(x, dim=-1, keepdim=True)
-    if bool((n == 0).any()):
-        raise ValueError(f"cosine family: a {name} vector has zero norm and cannot be normalised")
-    return x / n
 
 
 @dataclass
@@ -320,10 +93,10 @@ def project(spec: HeadSpec, weights: HeadWeights, x_q: Any, pos_q: Any, x_kv: An
     k = torch.einsum("nm,mhd->hnd", u_k, wk)
     v = torch.einsum("nm,mhd->hnd", u_k, wv)
     if spec.family == "qknorm":
-        q = _rms(q, cast(weights.q_norm), spec.norm_eps)
-        k = _rms(k, cast(weights.k_norm), spec.norm_eps)
+        q = rms_norm(q, cast(weights.q_norm), spec.norm_eps)
+        k = rms_norm(k, cast(weights.k_norm), spec.norm_eps)
     elif spec.family == "cosine":
-        q, k = _unit(q, "query"), _unit(k, "key")
+        q, k = unit_rows(q, "query"), unit_rows(k, "key")
     kv_of = torch.arange(spec.n_heads, device=q.device) // spec.group
     k, v = k[kv_of], v[kv_of]
     pq = torch.as_tensor(_positions(pos_q, "pos_q"), device=q.device)
@@ -446,156 +219,30 @@ def step(spec: HeadSpec, weights: HeadWeights, x_q: Any, pos_q: Any, x_kv: Any, 
     return res
 
 
-def uniform_mean(v: torch.Tensor, mk: torch.Tensor) -> torch.Tensor:
-    """``mu_i = (1/N_i) sum_{j in I_i} v_j``: the uniform mean, ``(H, Q, r)``.
-
-    The only mean that makes the identity hold (MATH.md section 1).
-    """
-    return (mk.to(v.dtype)[None] @ v) / mk.sum(-1).to(v.dtype)[None, :, None]
-
-
-def _kappa(weight: torch.Tensor, vc: torch.Tensor, v: torch.Tensor, m3: torch.Tensor
-           ) -> torch.Tensor:
-    """``sum_j weight_j (|v_j - mu|_inf + |v_j|_inf) / max_j |v_j|_inf`` over the permitted set."""
-    va = torch.where(m3, v.abs().amax(-1)[:, None, :], torch.zeros_like(weight))  # (H, Qc, N)
-    vn = vc.abs().amax(-1) + va
-    return (weight * vn).sum(-1) / va.amax(-1).clamp_min(torch.finfo(vn.dtype).tiny)
-
-
 def _step_chunk(P: Projected, mk: torch.Tensor, idx: slice, kind: str, g: torch.Tensor | None,
                 want_dm: bool, softcap: float | None) -> dict[str, torch.Tensor]:
-    q = P.q[:, idx]  # (H, Qc, d)
-    k, v = P.k, P.v  # (H, N, d), (H, N, r)
-    H, Qc, _ = q.shape
-    s = q @ k.transpose(-1, -2)  # (H, Qc, N)
-    beta = None if P.beta is None else P.beta[:, idx]
-    if beta is not None:
-        s = s + beta
-    m3 = mk[None]  # (1, Qc, N)
-    z = transform(s, softcap)
-    neg = torch.finfo(s.dtype).min
-    zmax = torch.where(m3, z, torch.full_like(z, neg)).amax(-1, keepdim=True)  # (H, Qc, 1)
-    e = torch.where(m3, torch.exp(z - zmax), torch.zeros_like(z))
-    zbar = e.sum(-1, keepdim=True)
-    y = (e / zbar) @ v  # (H, Qc, r)
-    mu = uniform_mean(v, mk)  # (H, Qc, r)
-    vc = v[:, None] - mu[:, :, None]  # (H, Qc, N, r)
-    vc = torch.where(m3[..., None], vc, torch.zeros_like(vc))
-    out: dict[str, torch.Tensor] = {"s": s, "y": y, "mu": mu}
-
-    if kind == "pairwise":
-        return _pairwise_chunk(P, out, q, s, z, zmax, zbar, mk, vc, beta, softcap, idx, want_dm)
-
-    # gauge anchor sigma (raw-score units) and offsets in query space
-    koff = boff = None
+    """One chunk of queries through the kernel, plus ``Delta M_i = L_i T_i + e_{m+1} b_i^T``."""
     sigma = None
-    if kind == "original":
-        sig = torch.zeros_like(zmax)
-    elif kind == "maxkey":
-        # argmax of the raw score (phi is increasing): no ties from a saturated soft-cap
-        jstar = torch.where(m3, s, torch.full_like(s, neg)).argmax(-1)  # (H, Qc)
-        sig = torch.gather(s, -1, jstar[..., None])
-        koff = torch.gather(k, 1, jstar[..., None].expand(H, Qc, k.shape[-1]))  # (H, Qc, d)
-        if beta is not None:
-            boff = torch.gather(beta, -1, jstar[..., None])  # (H, Qc, 1)
-    else:  # free gauge g (H, m+1): sigma_i = u_i . g
-        sig = (P.u_q[idx] @ g.T).T[..., None]  # (H, Qc, 1)
-        sigma = sig[..., 0]
-    zsig = transform(sig, softcap)
-    c = scaled_phi1(z - zsig, zsig - zmax) * transform_dd(s, sig, softcap) / zbar
-    c = torch.where(m3, c, torch.zeros_like(c))
-    if not bool(torch.isfinite(c).all()):
-        bad = (~torch.isfinite(c)).any(-1).nonzero()[0].tolist()
-        raise FloatingPointError(
-            f"gauge {kind!r} overflows in {s.dtype} at head {bad[0]}, query {idx.start + bad[1]}: "
-            f"the gauge anchor sits {float((zsig - zmax)[bad[0], bad[1], 0]):.0f} above every "
-            "score, so its coefficients exceed the float range (MATH.md section 2); "
-            "use gauge='maxkey'")
-    kc = k[:, None] if koff is None else k[:, None] - koff[:, :, None]  # (H, Qc|1, N, d)
-    # condition number of the readout, relative to the value scale S = max_j |v_j|:
-    #   kappa = sum_j |c_j| (|q| . |k~_j - k_o| + |beta_j - beta_o| + |sigma|) (|v_j - mu| + |v_j|) / S
-    # -- the rounding of q . T scales with |q| . |k~_j - k_o| (>= |s_j - sigma|), and v_j - mu
-    # itself carries a rounding error ~ u |v_j| that the sum then amplifies
-    if koff is None:
-        absdot = q.abs() @ k.abs().transpose(-1, -2)  # (H, Qc, N)
-    else:
-        absdot = (q.abs()[:, :, None, :] * kc.abs()).sum(-1)
-    if beta is not None:
-        absdot = absdot + (beta if boff is None else beta - boff).abs()
-    if sigma is not None:
-        absdot = absdot + sigma.abs()[..., None]
-    out["kappa"] = _kappa(c.abs() * absdot, vc, v, m3)
-    t = (c[..., None] * kc).transpose(-1, -2) @ vc  # (H, Qc, d, r)
-    b = None
-    if beta is not None:
-        bc = beta if boff is None else beta - boff
-        b = ((c * bc)[:, :, None] @ vc)[:, :, 0]  # (H, Qc, r)
-    readout = mu + (q[:, :, None] @ t)[:, :, 0]
-    if b is not None:
-        readout = readout + b
-    out.update(c=c, t=t, readout=readout)
-    if b is not None:
-        out["b"] = b
+    if kind == "free":  # sigma_i = u_i . g
+        sigma = (P.u_q[idx] @ g.T).T  # (H, Qc)
+    beta = None if P.beta is None else P.beta[:, idx]
+    out = gauge_chunk(P.q[:, idx], P.k, P.v, mk, gauge=kind, beta=beta, softcap=softcap,
+                      sigma=sigma, kappa=True, query_offset=idx.start)
+    res = {"s": out["s"], "y": out["y_c"], "mu": out["mu_c"].expand_as(out["y_c"]),
+           "readout": out["readout_c"], "t": out["t"], "kappa": out["kappa"]}
+    for key in ("c", "b"):
+        if key in out:
+            res[key] = out[key]
     if kind == "free":
-        w = (c[:, :, None] @ vc)[:, :, 0]
-        out["readout"] = readout - sigma[..., None] * w
-        out.update(w=w, sigma=sigma)
+        res.update(w=out["w"], sigma=sigma)
     if want_dm:
-        dm = P.lmap(idx) @ t  # (H, Qc, m+1, r)
-        if b is not None:
-            dm[:, :, -1] += b
+        dm = P.lmap(idx) @ out["t"]  # (H, Qc, m+1, r)
+        if "b" in out:
+            dm[:, :, -1] += out["b"]
         if kind == "free":
             dm = dm - g[:, None, :, None] * out["w"][:, :, None, :]
-        out["delta_m"] = dm
-    return out
-
-
-def _pairwise_chunk(P, out, q, s, z, zmax, zbar, mk, vc, beta, softcap, idx, want_dm):
-    """Pairwise gauge: ``T = (1/(N Z)) K~^T (diag(D 1) - D) V`` with ``D_jk = exp_phi[s_j, s_k]``.
-
-    Exact O(N^2) per query; the entries are scaled by ``1/Z = e^{-z_max}/Zbar`` inside the
-    exponentials so nothing overflows.
-    """
-    k = P.k
-    m3 = mk[None]
-    zj, zk = z[..., :, None], z[..., None, :]
-    hi = torch.maximum(zj, zk)
-    D = torch.exp(hi - zmax[..., None]) * phi1(-(zj - zk).abs())
-    D = D * transform_dd(s[..., :, None], s[..., None, :], softcap)
-    pm = (m3[..., :, None] & m3[..., None, :])
-    D = torch.where(pm, D, torch.zeros_like(D)) / zbar[..., None]  # (H, Qc, N, N) = D/Zbar
-    nper = mk.sum(-1).to(s.dtype)[None, :, None, None]
-    lap = torch.diag_embed(D.sum(-1)) - D
-    # (v - mu) in place of v is harmless: the Laplacian annihilates constants
-    lv = lap @ vc / nper  # (H, Qc, N, r)
-    # the Laplacian also annihilates constant keys/biases: centre them on the permitted mean so
-    # a large common offset (e.g. a constant bias of -800) does not enter the sums at all
-    w8 = mk.to(k.dtype)[None, :, :, None] / nper  # (1, Qc, N, 1)
-    kc = k[:, None] - (w8 * k[:, None]).sum(2, keepdim=True)  # (H, Qc, N, d)
-    t = kc.transpose(-1, -2) @ lv  # (H, Qc, d, r)
-    readout = out["mu"] + (q[:, :, None] @ t)[:, :, 0]
-    b = None
-    if beta is not None:
-        bc = beta - (w8[..., 0] * beta).sum(-1, keepdim=True)
-        b = (bc[:, :, None] @ lv)[:, :, 0]
-        readout = readout + b
-        out["b"] = b
-    # condition number: the contraction q . T rounds at |q| . |kc_j| per key, and lv_j itself
-    # at sum_k D_jk (|v_j - mu| + |v_j| + |v_k - mu| + |v_k|) / N
-    va = torch.where(m3, P.v.abs().amax(-1)[:, None, :], torch.zeros_like(s))
-    vab = vc.abs().amax(-1) + va  # (H, Qc, N)
-    lvb = (D.sum(-1) * vab + (D @ vab[..., None])[..., 0]) / nper[..., 0]
-    absdot = (q.abs()[:, :, None, :] * kc.abs()).sum(-1)
-    if beta is not None:
-        absdot = absdot + bc.abs()
-    out["kappa"] = (absdot * lvb).sum(-1) / va.amax(-1).clamp_min(torch.finfo(s.dtype).tiny)
-    out.update(t=t, readout=readout)
-    if want_dm:
-        dm = P.lmap(idx) @ t
-        if b is not None:
-            dm[:, :, -1] += b
-        out["delta_m"] = dm
-    return out
+        res["delta_m"] = dm
+    return res
 
 
 # ---------------------------------------------------------------------------------------------

@@ -19,7 +19,7 @@ so with ``delta = D 1 = sum_n w_n a_n (b_n^T 1)``
     K^T (diag(D 1) - D) V ~ K^T diag(delta) V - sum_n w_n (K^T a_n)(V^T b_n)^T,
 
 ``O(N d r + n N (d + r))`` per query: the first term is the same ``C @ P`` GEMM as the factored
-path (:class:`ropestep.scale.PBlocks`), the second ``2 n`` matrix-vector products per query
+path (:class:`ropestep.kernel.PBlocks`), the second ``2 n`` matrix-vector products per query
 batched as GEMMs.  Keys and values may be shifted by any constant first (the Laplacian
 ``diag(D 1) - D`` annihilates constants on both sides), so the callers pass them centred.
 
@@ -36,7 +36,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from .fast import phi1
+from .kernel import PBlocks, laplacian_apply, pairwise_weights
 
 N_MAX = 512  # largest rule offered (spread ~ 700 needs ~ 270 nodes at 1e-15)
 
@@ -112,16 +112,13 @@ def laplacian_terms_exact(zs: torch.Tensor, mask: torch.Tensor, k: torch.Tensor,
                           ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Dense reference: ``K^T L V`` ``(G, Q, d, r)`` and ``beta^T L V`` ``(G, Q, r)``.
 
-    ``L = diag(D 1) - D``, ``D_jk = exp[z_j, z_k] = e^{max} phi1(-|z_j - z_k|)`` on permitted
-    pairs (0 elsewhere).  ``zs (G, Q, N)`` shifted scores (<= 0 where permitted),
-    ``mask (Q, N)``, ``k (N, d)``, ``v (N, r)``, ``beta (G, Q, N)``.  ``O(N^2 r)`` per query.
+    ``L = diag(D 1) - D`` with the kernel's ``D_jk = exp[z_j, z_k]`` on permitted pairs
+    (:func:`ropestep.kernel.pairwise_weights`).  ``zs (G, Q, N)`` shifted scores (<= 0 where
+    permitted), ``mask (Q, N)``, ``k (N, d)``, ``v (N, r)``, ``beta (G, Q, N)``.  ``O(N^2 r)`` per
+    query.
     """
-    z = zs.masked_fill(~mask, 0.0)
-    zj, zk = z[..., :, None], z[..., None, :]
-    D = torch.exp(torch.maximum(zj, zk)) * phi1(-(zj - zk).abs())  # (G, Q, N, N)
-    pm = mask[:, :, None] & mask[:, None, :]
-    D = D.masked_fill_(~pm, 0.0)
-    lv = D.sum(-1, keepdim=True) * v - D @ v  # (G, Q, N, r)  L V
+    D = pairwise_weights(zs, mask)  # (G, Q, N, N)
+    lv = laplacian_apply(D, v)  # (G, Q, N, r)  L V
     del D
     t = (lv.transpose(-1, -2) @ k).transpose(-1, -2)  # (G, Q, d, r) = K^T L V
     b = None if beta is None else (beta[..., None, :] @ lv)[..., 0, :]
@@ -134,12 +131,10 @@ def laplacian_terms_lowrank(zs: torch.Tensor, mask: torch.Tensor, k: torch.Tenso
                             ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Low-rank ``K^T L V`` and ``beta^T L V`` with the ``n``-point rule (same arguments as exact).
 
-    ``p``: a :class:`ropestep.scale.PBlocks` over ``k, v`` for the ``delta`` term's GEMM
+    ``p``: a :class:`ropestep.kernel.PBlocks` over ``k, v`` for the ``delta`` term's GEMM
     (built here when absent).  Nodes are processed ``node_block`` at a time, so memory does not
     grow with ``n``.
     """
-    from .scale import PBlocks  # noqa: PLC0415  (scale imports this module lazily)
-
     G, Q, N = zs.shape
     d, r = k.shape[-1], v.shape[-1]
     cd = zs.dtype
@@ -192,26 +187,3 @@ def pairwise_chunk(zs: torch.Tensor, mask: torch.Tensor, k: torch.Tensor, v: tor
         n = choose_nodes(spread, default_tol(zs.dtype) if tol is None else tol)
     t, b = laplacian_terms_lowrank(zs, mask, k, v, n, beta=beta, p=p, node_block=node_block)
     return t, b, n, spread
-
-
-# ---------------------------------------------------------------------------------------------
-# a whole layer
-# ---------------------------------------------------------------------------------------------
-def pairwise_layer(spec: Any, weights: Any, x: Any, positions: Any = None, *,
-                   method: str = "lowrank", tol: float | None = None,
-                   heads: Sequence[int] | None = None, queries: Sequence[int] | None = None,
-                   **kw: Any) -> dict[str, torch.Tensor]:
-    """``T^pair`` (and ``y``, ``mu``, readout, ``b``) of a causal layer, every (head, query).
-
-    A thin wrapper of :func:`ropestep.scale.materialise` with ``gauge="pairwise"``; keyword
-    arguments (``dtype``, ``max_bytes``, ``delta_m``, ...) pass through.  Soft-capped heads raise
-    ``NotImplementedError``.
-    """
-    from .scale import materialise  # noqa: PLC0415
-
-    if getattr(spec, "softcap", None) is not None:
-        raise NotImplementedError(
-            "low-rank pairwise gauge: transformed scores (softcap) are not supported -- the "
-            "quadrature is for exp[s_j, s_k] with phi = id; use ropestep.fast.step(gauge='pairwise')")
-    return materialise(spec, weights, x, positions, gauge="pairwise", pairwise=method, tol=tol,
-                       heads=heads, queries=queries, **kw)

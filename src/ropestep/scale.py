@@ -39,9 +39,9 @@ float32 accumulation (as :mod:`ropestep.fast`).
 
 Memory: ``max_bytes`` bounds the projected layer plus ``P`` plus the work tensors of one chunk
 (:func:`plan`, 10% headroom); a budget too small for one query raises ``ValueError``.  The slow explicit
-reference beside this path is :func:`direct_query` (features ``a_ij`` in the augmented input
-space, one query at a time), and :func:`ropestep.fast.step` / :mod:`ropestep.exact` are the
-independent oracles used by the tests.
+reference beside this path is :func:`ropestep.direct.direct_query` (features ``a_ij`` in the augmented input
+space, one query at a time); the independent oracle the tests compare with is :mod:`ropestep.exact`
+(mpmath at raised precision).
 """
 from __future__ import annotations
 
@@ -53,8 +53,11 @@ from typing import Any, Callable, Iterator, Sequence
 import numpy as np
 import torch
 
-from .fast import (FLOAT_DTYPES, _rms, _unit, apply_rope, augmented_weight, compute_dtype, phi1,
-                   rope_cos_sin, transform, transform_dd)
+from . import lowrank
+from .direct import direct_query  # noqa: F401  (the paper-form reference beside this path)
+from .kernel import (FLOAT_DTYPES, PBlocks, augmented_weight, compute_dtype, gauge_chunk,  # noqa: F401
+                     rms_norm, softmax, uniform_mean, unit_rows)
+from .rope import apply_rope, rope_cos_sin
 from .spec import HeadSpec, HeadWeights, _positions
 
 GAUGES = ("original", "maxkey", "pairwise")
@@ -176,10 +179,10 @@ def project_layer(spec: HeadSpec, weights: HeadWeights, x: Any, positions: Any =
     k = proj(weights.w_k, weights.b_k, Hk, d)
     v = proj(weights.w_v, weights.b_v, Hk, r)
     if spec.family == "qknorm":
-        q = _rms(q, cast(weights.q_norm), spec.norm_eps)
-        k = _rms(k, cast(weights.k_norm), spec.norm_eps)
+        q = rms_norm(q, cast(weights.q_norm), spec.norm_eps)
+        k = rms_norm(k, cast(weights.k_norm), spec.norm_eps)
     elif spec.family == "cosine":
-        q, k = _unit(q, "query"), _unit(k, "key")
+        q, k = unit_rows(q, "query"), unit_rows(k, "key")
     pt = torch.as_tensor(pos, device=xc.device)
     cos, sin = rope_cos_sin(spec, pt, cd, xc.device)  # (Hb, N, d/2)
     q = apply_rope(q, cos, sin, spec.rope.layout)
@@ -421,7 +424,6 @@ def stream(spec: HeadSpec, weights: HeadWeights, x: Any, positions: Any = None, 
               gauge=gauge, pairwise=pairwise, chunk=chunk, node_block=node_block,
               heads_per_group=gmax)
     if gauge == "pairwise":
-        from . import lowrank  # noqa: PLC0415  (lowrank imports this module)
         if tol is None:
             tol = lowrank.default_tol(L.q.dtype)
     cd = L.q.dtype
@@ -465,79 +467,42 @@ def _chunk(L: Layer, hs: list[int], hidx: torch.Tensor, qi: torch.Tensor, n_hi: 
            delta_m: bool, pairwise: str, tol: float | None, node_block: int,
            cd: torch.dtype, d: int, r: int, direct: bool, timers: dict | None,
            bufs: dict) -> Chunk:
+    """One key group on one chunk of queries: the kernel (or the low-rank pairwise kernel)."""
     spec = L.spec
-    G, Qc = len(hs), int(qi.numel())
-    softcap = spec.softcap
     mask = L.pos[None, :n_hi] <= L.pos[qi][:, None]  # (Qc, n) causal permitted sets
-    cnt = mask.sum(-1).to(cd)  # (Qc,)
-    s = qg @ k.T  # (G, Qc, n) raw scores q_i . k~_j
     beta = None
     if L.slopes is not None:
         dp = (L.pos[qi][:, None] - L.pos[None, :n_hi]).to(cd)
         beta = -L.slopes[hidx][:, None, None] * dp[None]  # (G, Qc, n)
-        s = s + beta
-    z = transform(s, softcap)
-    zm = z.masked_fill(~mask, -math.inf).amax(-1, keepdim=True)  # (G, Qc, 1)
-    e = torch.exp(z - zm).masked_fill_(~mask, 0.0)
-    zbar = e.sum(-1, keepdim=True)  # in [1, N_i]
-    y_c = (e @ vh) / zbar  # (G, Qc, r)  y - vbar
-    del e
-    mu_c = (mask.to(cd) @ vh) / cnt[:, None]  # (Qc, r)  mu - vbar
     nodes = spread = None
     if gauge == "pairwise":
-        from . import lowrank  # noqa: PLC0415
-        zs = z - zm
+        s = qg @ k.T  # (G, Qc, n) raw scores q_i . k~_j
+        if beta is not None:
+            s = s + beta
+        sm = softmax(s, mask, None)
+        y_c = (sm.e @ vh) / sm.zbar  # (G, Qc, r)  y - vbar
+        mu_c = uniform_mean(vh[None], mask)[0]  # (Qc, r)  mu - vbar
         t, b, nodes, spread = lowrank.pairwise_chunk(
-            zs, mask, kh, vh, beta=beta, method=pairwise, tol=tol, node_block=node_block,
-            p=PBlocks(kh, vh, pfull, key_block))
-        den = cnt[None, :, None] * zbar  # (G, Qc, 1): N_i Z-bar_i
+            sm.z - sm.zmax, mask, kh, vh, beta=beta, method=pairwise, tol=tol,
+            node_block=node_block, p=PBlocks(kh, vh, pfull, key_block))
+        den = mask.sum(-1).to(cd)[None, :, None] * sm.zbar  # (G, Qc, 1): N_i Z-bar_i
         t = t / den[..., None]
         b = None if b is None else b / den
+        readout_c = mu_c[None] + (qg[:, :, None] @ t)[:, :, 0]
+        if b is not None:
+            readout_c = readout_c + b
+        if not bool(torch.isfinite(readout_c).all()):
+            raise FloatingPointError(f"pairwise gauge: the readout is not finite in {cd} "
+                                     f"(heads {hs}, queries {int(qi[0])}..{int(qi[-1])})")
     else:
-        if gauge == "original":
-            c = torch.exp(-zm) * phi1(z) / zbar
-            if softcap is not None:
-                c = c * transform_dd(s, torch.zeros_like(s), softcap)
-            koff = kbar
-            boff = None
-        else:  # maxkey
-            js = z.masked_fill(~mask, -math.inf).argmax(-1)  # (G, Qc)
-            sig = torch.gather(s, -1, js[..., None])
-            sig_z = transform(sig, softcap)
-            c = phi1(z - sig_z) * torch.exp(sig_z - zm) / zbar
-            if softcap is not None:
-                c = c * transform_dd(s, sig, softcap)
-            koff = -kh[js]  # (G, Qc, d): k-bar - k_{j*} = -(k_{j*} - k-bar)
-            boff = None if beta is None else torch.gather(beta, -1, js[..., None])
-        c = c.masked_fill_(~mask, 0.0)
-        if direct:  # short prefixes: centre per query, T = (c * (K - k_o))^T (V - mu_i)
-            vq = (vh[None] - mu_c[:, None]).masked_fill_(~mask[..., None], 0.0)  # (Qc, n, r)
-            ko = kbar if koff.dim() == 1 else koff[..., None, :]  # k^_j + k-bar - k_o
-            kq = kh + ko  # (n, d) or (G, Qc, n, d)
-            t = (c[..., None] * kq).transpose(-1, -2) @ vq[None]  # (G, Qc, d, r)
-            b = None
-            if beta is not None:
-                cb = c * (beta if boff is None else beta - boff)
-                b = (cb[..., None, :] @ vq[None])[..., 0, :]
-        else:
-            t = PBlocks(kh, vh, pfull, key_block).matmul(c).view(G, Qc, d, r)  # sum c k^ v^^T
-            ck = c @ kh  # (G, Qc, d)
-            cv = c @ vh  # (G, Qc, r)
-            csum = c.sum(-1, keepdim=True)  # (G, Qc, 1)
-            w = cv - csum * mu_c[None]  # sum_j c_ij (v_j - mu_i)
-            tv = t.view(G * Qc, d, r)
-            tv.baddbmm_(ck.reshape(G * Qc, d, 1),
-                        mu_c[None].expand(G, Qc, r).reshape(G * Qc, 1, r), alpha=-1.0)
-            ko = koff if koff.dim() == 3 else koff.expand(G, Qc, d)
-            tv.baddbmm_(ko.reshape(G * Qc, d, 1), w.reshape(G * Qc, 1, r))
-            b = None
-            if beta is not None:
-                cb = c * (beta if boff is None else beta - boff)
-                b = cb @ vh - cb.sum(-1, keepdim=True) * mu_c[None]
-        del c
-    readout_c = mu_c[None] + (qg[:, :, None] @ t)[:, :, 0]
-    if b is not None:
-        readout_c = readout_c + b
+        # short prefixes: values centred per query; long ones: one GEMM over the shared P
+        v = L.v[L.kv_of_group[L.group_of(hs[0])], :n_hi]  # (n, r) uncentred values
+        out = gauge_chunk(qg, k[None], v[None], mask, gauge=gauge, beta=beta,
+                          softcap=spec.softcap, kbar=kbar[None, None], vbar=vbar[None, None],
+                          pblocks=None if direct else PBlocks(kh, vh, pfull, key_block),
+                          coeffs=False, query_offset=int(qi[0]), heads=hs)
+        y_c, mu_c, readout_c, t, b = (out["y_c"], out["mu_c"][0], out["readout_c"], out["t"],
+                                      out.get("b"))
     dm = None
     if delta_m:
         if timers is not None:
@@ -554,39 +519,6 @@ def _chunk(L: Layer, hs: list[int], hidx: torch.Tensor, qi: torch.Tensor, n_hi: 
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-class PBlocks:
-    """``P = [vec(k^_j v^_j^T)]_j`` (``n x d*r``) delivered in key blocks.
-
-    Either slices of a whole ``P`` kept per key group, or blocks built on the fly (when ``P``
-    does not fit the budget; the rebuild costs ``n d r`` per chunk, ``1/Qc`` of the GEMM).
-    """
-
-    def __init__(self, kh: torch.Tensor, vh: torch.Tensor, pfull: torch.Tensor | None,
-                 key_block: int) -> None:
-        self.kh, self.vh, self.pfull = kh, vh, pfull
-        self.n = int(kh.shape[0])
-        self.key_block = int(max(1, min(key_block, self.n)))
-
-    def __call__(self, lo: int, hi: int) -> torch.Tensor:
-        if self.pfull is not None:
-            return self.pfull[lo:hi]
-        d, r = self.kh.shape[-1], self.vh.shape[-1]
-        return (self.kh[lo:hi, :, None] * self.vh[lo:hi, None, :]).reshape(hi - lo, d * r)
-
-    def matmul(self, c: torch.Tensor) -> torch.Tensor:
-        """``C @ P`` for ``c (..., n)``: ``(prod(...), d*r)``, accumulated over key blocks."""
-        rows = c.reshape(-1, self.n)
-        out = None
-        for lo in range(0, self.n, self.key_block):
-            hi = min(self.n, lo + self.key_block)
-            pb = self(lo, hi)
-            if out is None:
-                out = rows[:, lo:hi] @ pb
-            else:
-                out.addmm_(rows[:, lo:hi], pb)
-        return out
 
 
 def _delta_m(L: Layer, hidx: torch.Tensor, qi: torch.Tensor, t: torch.Tensor,
@@ -631,6 +563,13 @@ class LayerErrors:
     plan: Plan
     extras: dict = field(default_factory=dict)
 
+    @property
+    def finite(self) -> bool:
+        """False when any error of a checked head is NaN or inf (a failure, never a pass)."""
+        checked = ~np.isnan(self.max_abs) | (self.n_queries > 0)
+        return bool(np.isfinite(self.max_abs[checked]).all()
+                    and np.isfinite(self.max_rel[checked]).all())
+
     def as_dict(self) -> dict:
         return {"max_abs": self.max_abs.tolist(), "mean_abs": self.mean_abs.tolist(),
                 "max_rel": self.max_rel.tolist(), "max_rel_dev": self.max_rel_dev.tolist(),
@@ -653,12 +592,12 @@ def identity_check(spec: HeadSpec, weights: HeadWeights, x: Any, positions: Any 
         err = (ch.y_c - ch.readout_c).abs().to(torch.float64)  # (G, Qc, r)
         ya = ch.y.abs().to(torch.float64)
         dv = (ch.y_c - ch.mu_c[None]).abs().to(torch.float64)
-        for a, h in enumerate(ch.heads):
-            mx[h] = max(mx[h], float(err[a].max()))
+        for a, h in enumerate(ch.heads):  # np.maximum and tensor max propagate NaN
+            mx[h] = np.maximum(mx[h], float(err[a].max()))
             sm[h] += float(err[a].sum())
             cnt[h] += err[a].numel()
-            ymax[h] = max(ymax[h], float(ya[a].max()))
-            dmax[h] = max(dmax[h], float(dv[a].max()))
+            ymax[h] = np.maximum(ymax[h], float(ya[a].max()))
+            dmax[h] = np.maximum(dmax[h], float(dv[a].max()))
         if ch.nodes is not None:
             nodes.append(ch.nodes)
         if on_chunk is not None:
@@ -711,42 +650,22 @@ def materialise(spec: HeadSpec, weights: HeadWeights, x: Any, positions: Any = N
     return out
 
 
-# ---------------------------------------------------------------------------------------------
-# the slow explicit reference: one query at a time, features in the augmented input space
-# ---------------------------------------------------------------------------------------------
-def direct_query(L: Layer, i: int, heads: Sequence[int] | None = None) -> dict[str, torch.Tensor]:
-    """The paper's evaluation of query ``i`` (original gauge), vectorised over keys.
+def pairwise_layer(spec: Any, weights: Any, x: Any, positions: Any = None, *,
+                   method: str = "lowrank", tol: float | None = None,
+                   heads: Sequence[int] | None = None, queries: Sequence[int] | None = None,
+                   **kw: Any) -> dict[str, torch.Tensor]:
+    """``T^pair`` (and ``y``, ``mu``, readout, ``b``) of a causal layer, every (head, query).
 
-    Features ``a_ij = L_i k~_j^T + beta_ij e_{m+1}`` are formed explicitly (``(N_i, m+1)`` per
-    head), ``s_ij = u_i^T a_ij``, ``c_ij = phi1(s_ij)/Z_i`` and
-    ``Delta M_i = sum_j c_ij a_ij (v_j - mu_i)^T``.  Returns ``delta_m (G, m+1, r)``,
-    ``y, mu, readout (G, r)`` and ``s (G, N_i)`` for the selected heads (default all).
+    A thin wrapper of :func:`materialise` with ``gauge="pairwise"``; keyword
+    arguments (``dtype``, ``max_bytes``, ``delta_m``, ...) pass through.  Soft-capped heads raise
+    ``NotImplementedError``.
     """
-    spec = L.spec
-    if L.lw is None:
-        raise ValueError(f"family {spec.family!r} is not affine in u: no features a_ij")
-    if spec.softcap is not None:
-        raise NotImplementedError("direct_query implements the identity family phi = id")
-    hs = list(range(spec.n_heads)) if heads is None else list(heads)
-    n = int(torch.searchsorted(L.pos, L.pos[i], right=True))
-    u = torch.cat((L.x[i], torch.ones(1, dtype=L.x.dtype, device=L.x.device)))  # (m+1,)
-    Li = L.lmap(i)[hs]  # (G, m+1, d)
-    gi = [L.group_of(h) for h in hs]
-    k = L.k[gi, :n]  # (G, n, d)
-    v = L.v[[L.kv_of_group[g] for g in gi], :n]  # (G, n, r)
-    a = k @ Li.transpose(-1, -2)  # (G, n, m+1)  features a_ij
-    if L.slopes is not None:
-        a[..., -1] += -L.slopes[hs][:, None] * (L.pos[i] - L.pos[:n]).to(a.dtype)[None]
-    s = a @ u  # (G, n)  s_ij = u_i^T a_ij
-    sm = s.amax(-1, keepdim=True)
-    zbar = torch.exp(s - sm).sum(-1, keepdim=True)
-    c = torch.exp(-sm) * phi1(s) / zbar  # phi1(s)/Z
-    mu = v.mean(1)  # (G, r)
-    vc = v - mu[:, None]
-    dm = a.transpose(-1, -2) @ (c[..., None] * vc)  # (G, m+1, r)
-    y = (torch.softmax(s, -1)[:, None] @ v)[:, 0]
-    readout = mu + (u @ dm)
-    return {"delta_m": dm, "y": y, "mu": mu, "readout": readout, "s": s}
+    if getattr(spec, "softcap", None) is not None:
+        raise NotImplementedError(
+            "low-rank pairwise gauge: transformed scores (softcap) are not supported -- the "
+            "quadrature is for exp[s_j, s_k] with phi = id; use ropestep.fast.step(gauge='pairwise')")
+    return materialise(spec, weights, x, positions, gauge="pairwise", pairwise=method, tol=tol,
+                       heads=heads, queries=queries, **kw)
 
 
 # ---------------------------------------------------------------------------------------------
