@@ -563,12 +563,13 @@ class LayerErrors:
     plan: Plan
     extras: dict = field(default_factory=dict)
 
+    checked: np.ndarray | None = None  # (H,) bool: heads that were evaluated (others are NaN)
+
     @property
     def finite(self) -> bool:
         """False when any error of a checked head is NaN or inf (a failure, never a pass)."""
-        checked = ~np.isnan(self.max_abs) | (self.n_queries > 0)
-        return bool(np.isfinite(self.max_abs[checked]).all()
-                    and np.isfinite(self.max_rel[checked]).all())
+        sel = np.ones(len(self.max_abs), bool) if self.checked is None else self.checked
+        return bool(np.isfinite(self.max_abs[sel]).all() and np.isfinite(self.max_rel[sel]).all())
 
     def as_dict(self) -> dict:
         return {"max_abs": self.max_abs.tolist(), "mean_abs": self.mean_abs.tolist(),
@@ -610,7 +611,7 @@ def identity_check(spec: HeadSpec, weights: HeadWeights, x: Any, positions: Any 
         rdev = np.where(dmax > 0, mx / dmax, mx)
     nan = np.nan
     out = LayerErrors(np.where(sel, mx, nan), mean, np.where(sel, rel, nan),
-                      np.where(sel, rdev, nan), nq, pl)
+                      np.where(sel, rdev, nan), nq, pl, checked=sel)
     if nodes:
         out.extras["nodes_max"] = max(nodes)
     return out
