@@ -1,4 +1,4 @@
-"""Corpora and the paper's block selection (PAPER_PROTOCOL.md, "Data").
+"""Corpora and the paper's block selection (docs/protocol.md, "Data").
 
 A corpus is a list of *articles* (strings).  Three sources give one:
 

@@ -4,7 +4,7 @@ Works in float64, float32 and bfloat16/float16 (low-precision inputs are upcast 
 with float32 accumulation), on CPU or CUDA, batched over heads and queries, with no Python
 loop over keys.  Memory is bounded by chunking queries under a byte budget.
 
-Everything is written in *query space* first (MATH.md section 3, cheap form): with the
+Everything is written in *query space* first (docs/math.md section 3, cheap form): with the
 effective query ``q_i`` (rotated, normalised where the family says so, times the score scale)
 and rotated keys ``k~_j``, the raw score is ``s_ij = q_i . k~_j + beta_ij`` and, in a gauge
 with key offset ``k_o`` and bias offset ``beta_o``,

@@ -1,6 +1,6 @@
 """The pairwise gauge in low rank: Gauss-Legendre quadrature of the exponential divided difference.
 
-MATH.md section 4.  For one query with shifted scores ``z_j = s_j - s_max <= 0`` (``s_max`` over
+docs/math.md section 4.  For one query with shifted scores ``z_j = s_j - s_max <= 0`` (``s_max`` over
 the permitted set), ``N`` permitted keys and ``Z = e^{s_max} Z-bar``,
 
     dM^pair = 1/(2 N Z) sum_{j,k} exp[s_j, s_k] (a_j - a_k)(v_j - v_k)^T,

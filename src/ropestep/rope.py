@@ -93,7 +93,7 @@ def rope_phi1(spec: HeadSpec, delta: float, head: int = 0,
               dtype: torch.dtype = torch.float64) -> torch.Tensor:
     """``phi_1(delta A)``: per block ``(sin a/a) I + ((1 - cos a)/a) J_2`` with ``a = omega delta``.
 
-    Then ``R(p + delta) - R(p) = delta A phi_1(delta A) R(p)`` exactly (MATH.md section 5).
+    Then ``R(p + delta) - R(p) = delta A phi_1(delta A) R(p)`` exactly (docs/math.md section 5).
     """
     d = spec.head_dim
     omega = rope_frequencies(spec.rope.bases(spec.n_heads)[head], d)

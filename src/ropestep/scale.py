@@ -1,6 +1,6 @@
 """Batched all-query machinery: a whole causal layer (every query, every head) as matrix products.
 
-MATH.md section 3, cheap form.  For query ``i`` of head ``h`` with effective query ``q_i``
+docs/math.md section 3, cheap form.  For query ``i`` of head ``h`` with effective query ``q_i``
 (rotated, normalised where the family says so, times the score scale), rotated keys ``k~_j`` and
 values ``v_j`` of its KV head, and coefficients ``c_ij`` of the gauge,
 
@@ -248,7 +248,7 @@ def fixed_bytes(spec: HeadSpec, N: int, m: int, dtype: torch.dtype) -> int:
 
 def per_query_bytes(spec: HeadSpec, n_keys: int, m: int, dtype: torch.dtype, *, delta_m: bool,
                     gauge: str = "original", pairwise: str = "lowrank", node_block: int = 8,
-                    heads_per_group: int | None = None) -> int:
+                    heads_per_group: int | None = None, outputs: Sequence[str] = ()) -> int:
     """Work bytes per query of a chunk reading ``n_keys`` keys (one key group at a time).
 
     Counted generously: ~12 score-sized temporaries (scores, transform, exponentials, phi_1
@@ -267,6 +267,7 @@ def per_query_bytes(spec: HeadSpec, n_keys: int, m: int, dtype: torch.dtype, *, 
     words += 3 * d * r + 4 * (d + r) + 16 + min(n, DIRECT_KEYS) * (d + r)
     if delta_m and spec.affine:
         words += (m + 1) * r + 2 * d * r
+    words += len(outputs) * n + (n * (r + d) if "kappa" in outputs else 0)  # kept s/c; kappa's terms
     if gauge == "pairwise":
         if pairwise == "exact":
             words += 5 * n * n + 2 * n * r
@@ -278,7 +279,7 @@ def per_query_bytes(spec: HeadSpec, n_keys: int, m: int, dtype: torch.dtype, *, 
 def plan(spec: HeadSpec, N: int, m: int, dtype: torch.dtype, max_bytes: int, *,
          n_queries: int | None = None, delta_m: bool = False, gauge: str = "original",
          pairwise: str = "lowrank", chunk: int | None = None, node_block: int = 8,
-         heads_per_group: int | None = None) -> Plan:
+         heads_per_group: int | None = None, outputs: Sequence[str] = ()) -> Plan:
     """Choose the query chunk and the key block of ``P`` so that the planned peak fits.
 
     Peak = :func:`fixed_bytes` + ``P`` (``N x d*r`` per key group, or a block of ``key_block``
@@ -295,7 +296,7 @@ def plan(spec: HeadSpec, N: int, m: int, dtype: torch.dtype, max_bytes: int, *,
     e = _elt(dtype)
     fx = fixed_bytes(spec, N, m, dtype)
     pq = per_query_bytes(spec, N, m, dtype, delta_m=delta_m, gauge=gauge, pairwise=pairwise,
-                         node_block=node_block, heads_per_group=heads_per_group)
+                         node_block=node_block, heads_per_group=heads_per_group, outputs=outputs)
     row = d * r * e  # one key's row of P
     need = fx + row + pq
     usable = usable_bytes(int(max_bytes))
@@ -349,11 +350,13 @@ class Chunk:
     nodes: int | None = None  # pairwise low rank: quadrature nodes used
     spread: float | None = None  # pairwise: max score spread in the chunk
     plan: Plan | None = None  # the memory plan the chunk was computed under
+    extra: dict = field(default_factory=dict)  # outputs asked for: "s", "c" (G, Qc, n), "kappa" (G, Qc)
 
     def release(self) -> None:
-        """Drop the large per-query tensors (``t``, ``delta_m``); :func:`stream` calls it."""
+        """Drop the large per-query tensors (``t``, ``delta_m``, extras); :func:`stream` calls it."""
         self.t = None  # type: ignore[assignment]
         self.delta_m = None
+        self.extra = {}
 
     @property
     def y(self) -> torch.Tensor:
@@ -379,7 +382,8 @@ def stream(spec: HeadSpec, weights: HeadWeights, x: Any, positions: Any = None, 
            queries: Sequence[int] | None = None, heads: Sequence[int] | None = None,
            chunk: int | None = None, pairwise: str = "lowrank", tol: float | None = None,
            node_block: int = 8, direct_keys: int = DIRECT_KEYS,
-           layer: Layer | None = None, timers: dict | None = None) -> Iterator[Chunk]:
+           layer: Layer | None = None, timers: dict | None = None,
+           outputs: Sequence[str] = ()) -> Iterator[Chunk]:
     """Yield :class:`Chunk` results covering every (head, query) of a causal layer.
 
     ``queries``/``heads`` restrict the work to sorted subsets (default all).  ``delta_m=True``
@@ -395,6 +399,12 @@ def stream(spec: HeadSpec, weights: HeadWeights, x: Any, positions: Any = None, 
     """
     if gauge not in GAUGES:
         raise ValueError(f"unknown gauge {gauge!r}: use one of {GAUGES}")
+    outputs = tuple(outputs)
+    if not set(outputs) <= {"s", "c", "kappa"}:
+        raise ValueError(f"outputs must be among 's', 'c', 'kappa', got {outputs}")
+    if gauge == "pairwise" and set(outputs) & {"c", "kappa"}:
+        raise ValueError("the pairwise gauge has no per-key coefficients c_ij or kappa on the "
+                         "scale path (use ropestep.fast.step(gauge='pairwise'))")
     if pairwise not in ("lowrank", "exact"):
         raise ValueError(f"pairwise must be 'lowrank' or 'exact', got {pairwise!r}")
     if delta_m and not spec.affine:
@@ -422,7 +432,7 @@ def stream(spec: HeadSpec, weights: HeadWeights, x: Any, positions: Any = None, 
     gmax = max(len([h for h in hs if h in hsel]) for hs in L.groups)
     pl = plan(spec, N, m, L.q.dtype, max_bytes, n_queries=int(qsel.numel()), delta_m=delta_m,
               gauge=gauge, pairwise=pairwise, chunk=chunk, node_block=node_block,
-              heads_per_group=gmax)
+              heads_per_group=gmax, outputs=outputs)
     if gauge == "pairwise":
         if tol is None:
             tol = lowrank.default_tol(L.q.dtype)
@@ -453,7 +463,7 @@ def stream(spec: HeadSpec, weights: HeadWeights, x: Any, positions: Any = None, 
             n_hi = int(torch.searchsorted(L.pos, L.pos[qi[-1]], right=True))
             ch = _chunk(L, hs, hidx, qi, n_hi, qg_all[:, qi], k[:n_hi], kh[:n_hi], vh[:n_hi],
                         kbar, vbar, pfull, pl.key_block, gauge, delta_m, pairwise, tol,
-                        node_block, cd, d, r, direct, timers, bufs)
+                        node_block, cd, d, r, direct, timers, bufs, outputs)
             ch.plan = pl
             yield ch
             ch.release()  # the consumer is done with it: free T and Delta M before the next
@@ -466,7 +476,7 @@ def _chunk(L: Layer, hs: list[int], hidx: torch.Tensor, qi: torch.Tensor, n_hi: 
            vbar: torch.Tensor, pfull: torch.Tensor | None, key_block: int, gauge: str,
            delta_m: bool, pairwise: str, tol: float | None, node_block: int,
            cd: torch.dtype, d: int, r: int, direct: bool, timers: dict | None,
-           bufs: dict) -> Chunk:
+           bufs: dict, outputs: tuple = ()) -> Chunk:
     """One key group on one chunk of queries: the kernel (or the low-rank pairwise kernel)."""
     spec = L.spec
     mask = L.pos[None, :n_hi] <= L.pos[qi][:, None]  # (Qc, n) causal permitted sets
@@ -500,9 +510,11 @@ def _chunk(L: Layer, hs: list[int], hidx: torch.Tensor, qi: torch.Tensor, n_hi: 
         out = gauge_chunk(qg, k[None], v[None], mask, gauge=gauge, beta=beta,
                           softcap=spec.softcap, kbar=kbar[None, None], vbar=vbar[None, None],
                           pblocks=None if direct else PBlocks(kh, vh, pfull, key_block),
-                          coeffs=False, query_offset=int(qi[0]), heads=hs)
+                          coeffs="c" in outputs, kappa="kappa" in outputs,
+                          query_offset=int(qi[0]), heads=hs)
         y_c, mu_c, readout_c, t, b = (out["y_c"], out["mu_c"][0], out["readout_c"], out["t"],
                                       out.get("b"))
+        s = out["s"]
     dm = None
     if delta_m:
         if timers is not None:
@@ -513,7 +525,8 @@ def _chunk(L: Layer, hs: list[int], hidx: torch.Tensor, qi: torch.Tensor, n_hi: 
             _sync(t.device)
             timers["delta_m_seconds"] = timers.get("delta_m_seconds", 0.0) + \
                 time.perf_counter() - t0
-    return Chunk(hs, qi, vbar, y_c, mu_c, readout_c, t, b, dm, nodes, spread)
+    extra = {key: (s if key == "s" else out[key]) for key in outputs}
+    return Chunk(hs, qi, vbar, y_c, mu_c, readout_c, t, b, dm, nodes, spread, extra=extra)
 
 
 def _sync(device: torch.device) -> None:

@@ -6,7 +6,7 @@ the layer inputs ``x`` (the hidden states after the block's input norm), integer
 a permitted-set mask.  Nothing here computes attention; :mod:`ropestep.exact` and
 :mod:`ropestep.fast` do, independently.
 
-Conventions (MATH.md section 1):
+Conventions (docs/math.md section 1):
 
 * ``u_j = [x_j; 1]`` is the augmented input, ``m = x.shape[-1]``.
 * ``w_q`` has shape ``(m, n_heads, head_dim)``; ``b_q`` ``(n_heads, head_dim)`` or ``None``.
@@ -17,7 +17,7 @@ Conventions (MATH.md section 1):
   (``layout="interleaved"``: ``2l`` with ``2l+1``, GPT-J / Meta).  For a pair ``(x1, x2)``:
   ``x1' = x1 cos - x2 sin``, ``x2' = x2 cos + x1 sin``, angle ``p * omega_l``,
   ``omega_l = base^(-2l/d)``.  Keys of query head ``h`` are rotated with head ``h``'s base.
-* Score families (MATH.md section 8):
+* Score families (docs/math.md section 8):
     - ``"dot"``: ``s = q~ k~^T * scale`` (``scale`` defaults to ``1/sqrt(d)``);
     - ``"qknorm"``: q and k pass a per-head RMSNorm (weights ``q_norm``/``k_norm``, eps
       ``norm_eps``) before RoPE (Qwen3), then as ``"dot"``;

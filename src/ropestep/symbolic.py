@@ -1,11 +1,11 @@
-"""Exact SymPy derivations of the gradient-step identity (MATH.md sections 2-8).
+"""Exact SymPy derivations of the gradient-step identity (docs/math.md sections 2-8).
 
 Every result is a small pure function that returns SymPy objects -- usually a *residual*, an
 expression (or matrix) that is exactly zero when the statement holds.  ``tests/test_symbolic.py``
 reduces each residual to 0 with :func:`reduce_exact`, and evaluates the same expressions at random
 points through ``sympy.lambdify`` (mpmath at 60 digits, numpy and torch in float64).
 
-Conventions (MATH.md section 1): the augmented query ``u`` and the features ``a_j`` are column
+Conventions (docs/math.md section 1): the augmented query ``u`` and the features ``a_j`` are column
 matrices ``(D, 1)`` with ``D = m + 1``; values ``v_j`` are row matrices ``(1, r)``.  Then
 ``s_j = u^T a_j``, ``Z = sum_j e^{s_j}``, ``y = sum_j e^{s_j} v_j / Z`` (a ``(1, r)`` row),
 ``mu = (1/N) sum_j v_j`` and ``delta_m = sum_j c_j a_j (v_j - mu)`` (``(D, r)``), so the readout
@@ -291,7 +291,7 @@ def rho_series(s: sp.Expr, order: int) -> sp.Expr:
 
 
 def rho_facts(order: int = 8) -> dict[str, sp.Expr]:
-    """Residuals of the facts of MATH.md section 2; each reduces to exactly 0.
+    """Residuals of the facts of docs/math.md section 2; each reduces to exactly 0.
 
     ``integral``     ``int_0^1 e^{ts} dt - rho(s)``            (sympy ``integrate``, ``s != 0``)
     ``series``       ``series(rho, s, 0, order) - sum_{k<order} s^k/(k+1)!``
@@ -449,7 +449,7 @@ def readout(u: sp.Matrix, dm: sp.Matrix, mu: sp.Matrix) -> sp.Matrix:
 
 
 def identity_residual(u: sp.Matrix, a: Sequence[sp.Matrix], v: Sequence[sp.Matrix]) -> sp.Matrix:
-    """``y - mu - u^T delta_m`` -- exactly zero (MATH.md section 3).  ``(1, r)``"""
+    """``y - mu - u^T delta_m`` -- exactly zero (docs/math.md section 3).  ``(1, r)``"""
     mu = uniform_mean(v)
     return softmax_output(u, a, v) - readout(u, delta_m(u, a, v, mu=mu), mu)
 
@@ -856,7 +856,7 @@ def phi1_rope(delta: sp.Expr, omegas: Sequence[sp.Expr]) -> sp.Matrix:
 
 
 def rope_facts(order: int = 10) -> dict[str, sp.Matrix]:
-    """Residual matrices of MATH.md section 5 (two frequencies ``omega_1, omega_2``); all reduce to 0.
+    """Residual matrices of docs/math.md section 5 (two frequencies ``omega_1, omega_2``); all reduce to 0.
 
     ``phi1_integral``     ``int_0^1 e^{t alpha J2} dt - phi1_rot(alpha)``
     ``phi1_series``       Taylor polynomial of ``phi1_rot`` minus ``sum_{k<order} (alpha J2)^k/(k+1)!``
@@ -1064,7 +1064,7 @@ class AffineWitness:
 def no_affine_readout_witness(a: Sequence[sp.Matrix], v: Sequence[sp.Matrix], m: sp.Matrix, *,
                               margin: sp.Expr = sp.Integer(1), dps: int = 60) -> AffineWitness:
     """Given a bank (features ``a_j`` (D,1), values ``v_j`` (1,r), exact numbers) and any candidate
-    ``M`` (D, r), return a query ``u = [x; 1]`` refuting ``y(u) = mu + u^T M`` (MATH.md section 7).
+    ``M`` (D, r), return a query ``u = [x; 1]`` refuting ``y(u) = mu + u^T M`` (docs/math.md section 7).
 
     * ``x``-part of ``M`` non-zero in column ``k``: ``x = t M_x[:, k]`` with ``t`` chosen so the
       affine coordinate ``k`` equals ``max_j v_j[k] + margin`` exactly; ``y`` stays in the hull.
