@@ -479,7 +479,7 @@ def _chunk(L: Layer, hs: list[int], hidx: torch.Tensor, qi: torch.Tensor, n_hi: 
            bufs: dict, outputs: tuple = ()) -> Chunk:
     """One key group on one chunk of queries: the kernel (or the low-rank pairwise kernel)."""
     spec = L.spec
-    mask = L.pos[None, :n_hi] <= L.pos[qi][:, None]  # (Qc, n) causal permitted sets
+    mask = causal_chunk_mask(L.pos, qi, n_hi)  # (Qc, n) causal permitted sets
     beta = None
     if L.slopes is not None:
         dp = (L.pos[qi][:, None] - L.pos[None, :n_hi]).to(cd)
@@ -527,6 +527,12 @@ def _chunk(L: Layer, hs: list[int], hidx: torch.Tensor, qi: torch.Tensor, n_hi: 
                 time.perf_counter() - t0
     extra = {key: (s if key == "s" else out[key]) for key in outputs}
     return Chunk(hs, qi, vbar, y_c, mu_c, readout_c, t, b, dm, nodes, spread, extra=extra)
+
+
+def causal_chunk_mask(pos: torch.Tensor, qi: torch.Tensor, n: int) -> torch.Tensor:
+    """``mask[i, j] = p_j <= p_{q_i}`` for the chunk's queries ``qi`` over keys ``0..n-1``: the
+    causal bank as the model computes it (the query's own key included)."""
+    return pos[None, :n] <= pos[qi][:, None]
 
 
 def _sync(device: torch.device) -> None:

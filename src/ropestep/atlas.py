@@ -1,0 +1,805 @@
+"""``ropestep atlas``: every layer, head and query of a real model against the model's own output.
+
+One forward pass per context captures, for every requested layer, the attention input (after the
+block's input norm) and each head's output (the ``o_proj`` input) in the model's dtype
+(:func:`ropestep.models.capture`).  Then, per layer, on the causal bank exactly as the model
+computes it, the streamed all-query path (:mod:`ropestep.scale`, one kernel) evaluates in
+float64 and in the model's dtype:
+
+* the identity ``y_i = mu_i + u_i^T Delta M_i`` (query-space readout ``mu_i + q_i T_i``) against
+  the recomputed softmax output and against the model's own head output;
+* the readout condition number ``kappa`` in the original and max-key gauges, the score spread,
+  the attention-sink mass on the first key;
+* the gradient-step diagnostics of docs/math.md section 3 in both parametrisations, each as a
+  ``d x d`` problem: query space (features ``a_j = k~_j * scale``, the public replication's) with
+  ``H^q = scale^2 G_i`` and input space (the paper's, features ``a_j = L_i k~_j^T``) with
+  ``lambda_max(G^{1/2} L^T L G^{1/2})``, ``G_i = sum_j c_ij k~_j^T k~_j``; and whether the unit
+  step increases ``E`` (``E(step) - E(0) = 1/2 tr(X^T G X) - tr(T^T X)`` with ``X = M T``,
+  ``M = scale^2 I`` or ``L^T L``: no cancelling ``E(0)`` is formed);
+* frozen reuse across queries of one context: the matrix ``Delta M_a`` of the anchor ``a`` (every
+  ``k``-th position) applied to the later queries of its window, ``y_fr_i = mu_a + u_i^T Delta M_a``,
+  against the constant anchor output ``y_a`` and the query's own cache mean ``mu_i`` (rRMSE,
+  pooled squared errors), and its relative error against the total-variation distance of the
+  two attention rows.
+
+Nothing of size ``N x N x layers`` is held: chunks are reduced as they stream, per-query
+statistics are ``(H, N)`` per layer.  Results: ``report.json`` first, then ``report.md`` and
+figures.  The replication-style descent statistic (query space, final query, causal bank
+including its own key) is reported apart and never set beside an input-space number.
+"""
+from __future__ import annotations
+
+import math
+import os
+import resource
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+from . import scale, tolerances
+from .kernel import augment
+from .rope import apply_rope
+from .spec import HeadSpec, HeadWeights
+
+SCHEMA = "ropestep.atlas/1"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+class AtlasError(ValueError):
+    """Bad input to the atlas (layer out of range, context too long, ...): one line, exit 2."""
+
+
+# ---------------------------------------------------------------------------------------------
+# one layer of one context
+# ---------------------------------------------------------------------------------------------
+PER_QUERY = ("id_abs", "native_abs", "lp_abs", "lp_id_abs", "id_bound", "kappa_original",
+             "kappa_maxkey", "spread", "sink", "lam_query", "lam_input", "inc_query",
+             "inc_input", "reuse_frozen", "reuse_const", "reuse_mean", "tv")
+
+
+@dataclass
+class LayerResult:
+    """Per-head, per-query statistics of one layer in one context (float64 numpy, ``(H, N)``).
+
+    ``*_abs`` are max-over-value-dims absolute errors; ``id_bound`` the float64 readout bound of
+    each query (relative to the head's value scale); ``reuse_*`` squared errors of the frozen,
+    constant-anchor and cache-mean predictors (NaN at the anchors themselves; the cache-mean
+    error is ``|y_i - mu_i|^2``, the deviation the relative reuse error is measured against);
+    ``tv`` the total-variation distance to the anchor's row.
+    """
+
+    layer: int
+    arrays: dict[str, np.ndarray]
+    value_scale: np.ndarray  # (H,) max |v_j| over the context
+    native_scale: np.ndarray  # (H,) max |native| over the context
+    qk_max: np.ndarray  # (H,) max_ij |q~_i| |k~_j| * scale (bounds |s|)
+    errors: list[str] = field(default_factory=list)  # overflow or other failures, named
+
+
+def _rot_back_matrix(G: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout: str
+                     ) -> torch.Tensor:
+    """``R_i^T G_i R_i`` for symmetric ``G (..., d, d)`` with ``R_i = R(p_i)`` given by cos/sin.
+
+    Rows: ``x R(p) = apply_rope(x, cos, -sin)``; applied to the rows of ``G`` and then to the rows
+    of the transpose.
+    """
+    c, s = cos[..., None, :], -sin[..., None, :]
+    Y = apply_rope(G, c, s, layout)  # G R
+    return apply_rope(Y.transpose(-1, -2), c, s, layout).transpose(-1, -2)  # R^T G R
+
+
+def evaluate_layer(spec: HeadSpec, weights: HeadWeights, x: torch.Tensor, positions: torch.Tensor,
+                   native: torch.Tensor, *, layer: int = 0, lp_dtype: torch.dtype = torch.float32,
+                   anchor_every: int = 64, max_bytes: int = scale.DEFAULT_MAX_BYTES,
+                   device: Any = None, timers: dict | None = None) -> LayerResult:
+    """All statistics of one captured layer: ``x (N, m)`` inputs, ``native (N, H, r)`` outputs."""
+    if not spec.affine:
+        raise AtlasError(f"layer {layer}: family {spec.family!r} has no Delta M (atlas needs "
+                         "affine heads)")
+    if spec.alibi_slopes is not None or spec.softcap is not None:
+        raise AtlasError(f"layer {layer}: the atlas covers plain RoPE dot-product heads "
+                         "(no ALiBi, no soft-cap)")
+    H, d, r = spec.n_heads, spec.head_dim, spec.r
+    N = int(x.shape[0])
+    tm = timers if timers is not None else {}
+    t0 = time.perf_counter()
+    L64 = scale.project_layer(spec, weights, x, positions, dtype=torch.float64, device=device)
+    tm["project"] = tm.get("project", 0.0) + time.perf_counter() - t0
+    dev = L64.q.device
+    nat = torch.as_tensor(native).to(device=dev, dtype=torch.float64)  # (N, H, r)
+    arr = {k: torch.full((H, N), math.nan, dtype=torch.float64, device=dev) for k in PER_QUERY}
+    errors: list[str] = []
+    sc = torch.tensor([spec.score_scale(h) for h in range(H)], dtype=torch.float64, device=dev)
+    vscale = torch.stack([L64.v[L64.kv_of_group[L64.group_of(h)]].abs().max() for h in range(H)])
+    qn = L64.q.norm(dim=-1).amax(-1)  # (H,) max |q_eff| (scale included)
+    kn = torch.stack([L64.k[L64.group_of(h)].norm(dim=-1).max() for h in range(H)])
+    qk_max = qn * kn
+    # input-space metric A_h = W^_q^T W^_q scale^2 (L_i^T L_i = R_i A_h R_i^T), its square root
+    A = L64.lwt @ L64.lw  # (H, d, d)
+    ev, U = torch.linalg.eigh(A)
+    Ah = U @ torch.diag_embed(ev.clamp_min(0).sqrt()) @ U.transpose(-1, -2)
+    anchors = torch.arange(0, N, anchor_every, device=dev)
+    na = int(anchors.numel())
+    T_a = torch.zeros(H, na, d, r, dtype=torch.float64, device=dev)
+    mu_a = torch.zeros(H, na, r, dtype=torch.float64, device=dev)
+    y_a = torch.zeros(H, na, r, dtype=torch.float64, device=dev)
+    p_a = torch.zeros(H, na, N, dtype=torch.float64, device=dev)
+    lay = spec.rope.layout
+    u_all = augment(L64.x)  # (N, m+1)
+
+    # pass A: float64, original gauge (the paper's), with s, c and kappa
+    t0 = time.perf_counter()
+    try:
+        for ch in scale.stream(spec, weights, x, positions, gauge="original", layer=L64,
+                               max_bytes=max_bytes, outputs=("s", "c", "kappa")):
+            _pass_original(ch, L64, arr, nat, vscale, sc, Ah, anchors, anchor_every, T_a, mu_a,
+                           y_a, p_a, u_all, lay)
+    except FloatingPointError as err:
+        errors.append(f"layer {layer}: float64 original gauge: {err}")
+    tm["float64_original"] = tm.get("float64_original", 0.0) + time.perf_counter() - t0
+
+    # pass B: float64 max-key gauge, kappa only
+    t0 = time.perf_counter()
+    try:
+        for ch in scale.stream(spec, weights, x, positions, gauge="maxkey", layer=L64,
+                               max_bytes=max_bytes, outputs=("kappa",)):
+            hs = ch.heads
+            arr["kappa_maxkey"][hs[0]:hs[-1] + 1, ch.queries] = ch.extra["kappa"].double()
+    except FloatingPointError as err:
+        errors.append(f"layer {layer}: float64 max-key gauge: {err}")
+    tm["float64_maxkey"] = tm.get("float64_maxkey", 0.0) + time.perf_counter() - t0
+
+    # pass C: the model's dtype, max-key gauge (the right gauge below float64)
+    t0 = time.perf_counter()
+    try:
+        for ch in scale.stream(spec, weights, x, positions, gauge="maxkey", dtype=lp_dtype,
+                               device=dev, max_bytes=max_bytes):
+            hs = ch.heads
+            ref = nat[ch.queries][:, hs].transpose(0, 1)  # (G, Qc, r)
+            ro, y = ch.readout.double(), ch.y.double()
+            arr["lp_abs"][hs[0]:hs[-1] + 1, ch.queries] = (ro - ref).abs().amax(-1)
+            arr["lp_id_abs"][hs[0]:hs[-1] + 1, ch.queries] = (ro - y).abs().amax(-1)
+    except FloatingPointError as err:
+        errors.append(f"layer {layer}: {lp_dtype} max-key gauge: {err}")
+    tm[f"{str(lp_dtype).replace('torch.', '')}_maxkey"] = \
+        tm.get(f"{str(lp_dtype).replace('torch.', '')}_maxkey", 0.0) + time.perf_counter() - t0
+    nscale = nat.abs().amax(dim=(0, 2))  # (H,)
+    return LayerResult(layer, {k: v.cpu().numpy() for k, v in arr.items()},
+                       vscale.cpu().numpy(), nscale.cpu().numpy(), qk_max.cpu().numpy(), errors)
+
+
+def _pass_original(ch, L64, arr, nat, vscale, sc, Ah, anchors, anchor_every, T_a, mu_a, y_a,
+                   p_a, u_all, lay) -> None:
+    """Reduce one float64 original-gauge chunk into the per-query arrays (see evaluate_layer)."""
+    hs, qi = ch.heads, ch.queries
+    h0, h1 = hs[0], hs[-1] + 1
+    G_, Qc = len(hs), int(qi.numel())
+    s, c = ch.extra["s"], ch.extra["c"]  # (G, Qc, n)
+    n = s.shape[-1]
+    mask = scale.causal_chunk_mask(L64.pos, qi, n)  # (Qc, n), as the chunk was computed
+    y, ro, mu, t = ch.y, ch.readout, ch.mu, ch.t  # (G, Qc, r), (Qc, r), (G, Qc, d, r)
+    ref = nat[qi][:, hs].transpose(0, 1)
+    arr["id_abs"][h0:h1, qi] = (ro - y).abs().amax(-1)
+    arr["native_abs"][h0:h1, qi] = (ro - ref).abs().amax(-1)
+    kap = ch.extra["kappa"]
+    arr["kappa_original"][h0:h1, qi] = kap
+    smax = s.masked_fill(~mask[None], -math.inf).amax(-1)
+    smin = s.masked_fill(~mask[None], math.inf).amin(-1)
+    arr["spread"][h0:h1, qi] = smax - smin
+    # float64 readout bound of each query, relative to the value scale (tolerances)
+    npre = mask.sum(-1).double()[None].expand(G_, Qc)
+    d = t.shape[-2]
+    b = tolerances.readout_bound(torch.float64, kap.cpu().numpy(), npre.cpu().numpy(), d,
+                                 torch.maximum(smax.abs(), smin.abs()).cpu().numpy())
+    arr["id_bound"][h0:h1, qi] = torch.as_tensor(np.maximum(b, tolerances.FLOAT64_REL),
+                                                 device=s.device)
+    p = torch.softmax(s.masked_fill(~mask[None], -math.inf), -1)  # (G, Qc, n)
+    arr["sink"][h0:h1, qi] = p[..., 0]
+    # gradient step: G_i = sum_j c_ij k~_j^T k~_j, query and input space as d x d problems
+    g = L64.group_of(hs[0])
+    k = L64.k[g, :n]  # (n, d)
+    Gm = (c[..., None] * k).transpose(-1, -2) @ k  # (G, Qc, d, d)
+    s2 = (sc[hs] ** 2)[:, None]  # (G, 1)
+    arr["lam_query"][h0:h1, qi] = s2 * torch.linalg.eigvalsh(Gm)[..., -1]
+    tt = torch.einsum("gqdr,gqer->gqde", t, t)  # T T^T, for tr(T^T G T) = <G, T T^T>
+    quad = (Gm * tt).sum((-1, -2))
+    tn2 = (t * t).sum((-1, -2))
+    arr["inc_query"][h0:h1, qi] = (0.5 * s2 * quad > tn2).double()
+    cb = L64.cos[:, qi] if L64.cos.shape[0] == 1 else L64.cos[hs][:, qi]
+    sb = L64.sin[:, qi] if L64.sin.shape[0] == 1 else L64.sin[hs][:, qi]
+    Gr = _rot_back_matrix(Gm, cb, sb, lay)  # R^T G R
+    Ahh = Ah[hs][:, None]  # (G, 1, d, d)
+    arr["lam_input"][h0:h1, qi] = torch.linalg.eigvalsh(Ahh @ Gr @ Ahh)[..., -1]
+    tr = scale._rot_back(t, cb, sb, lay).transpose(-1, -2)  # (G, Qc, d, r): R^T T
+    A = Ahh @ Ahh  # L^T L in the rotated-back frame
+    X = A @ tr
+    inc = 0.5 * (X * (Gr @ X)).sum((-1, -2)) > (tr * X).sum((-1, -2))
+    arr["inc_input"][h0:h1, qi] = inc.double()
+    # frozen reuse: anchors of this chunk first, then every query of the chunk
+    q_list = qi.tolist()
+    for a_idx, a in enumerate(anchors.tolist()):
+        if a in q_list:
+            j = q_list.index(a)
+            T_a[h0:h1, a_idx] = t[:, j]
+            mu_a[h0:h1, a_idx] = mu[j]
+            y_a[h0:h1, a_idx] = y[:, j]
+            p_a[h0:h1, a_idx, :n] = p[:, j]
+    aidx = torch.div(qi, anchor_every, rounding_mode="floor")  # (Qc,)
+    apos = anchors[aidx]
+    lw = L64.lw[hs]  # (G, m+1, d) W^_q * scale
+    uq = u_all[qi] @ lw  # (G, Qc, d) unrotated queries
+    ca = L64.cos[:, apos] if L64.cos.shape[0] == 1 else L64.cos[hs][:, apos]
+    sa = L64.sin[:, apos] if L64.sin.shape[0] == 1 else L64.sin[hs][:, apos]
+    q_at_a = apply_rope(uq, ca, sa, lay)  # u_i^T L_a
+    ta, ma, ya, pa = T_a[h0:h1, aidx], mu_a[h0:h1, aidx], y_a[h0:h1, aidx], p_a[h0:h1, aidx, :n]
+    y_fr = ma + (q_at_a[:, :, None] @ ta)[:, :, 0]
+    not_anchor = (qi != apos)[None].expand(G_, Qc)
+    nan = torch.full_like(y_fr[..., 0], math.nan)
+
+    def sq(e: torch.Tensor) -> torch.Tensor:
+        return torch.where(not_anchor, (e * e).sum(-1), nan)
+
+    arr["reuse_frozen"][h0:h1, qi] = sq(y - y_fr)
+    arr["reuse_const"][h0:h1, qi] = sq(y - ya)
+    arr["reuse_mean"][h0:h1, qi] = sq(y - mu[None])
+    arr["tv"][h0:h1, qi] = torch.where(not_anchor, 0.5 * (p - pa).abs().sum(-1), nan)
+
+
+# ---------------------------------------------------------------------------------------------
+# pooling over contexts: per (layer, head) summaries and the verdict
+# ---------------------------------------------------------------------------------------------
+def _max(a: np.ndarray) -> float:
+    """Max of computed values; a NaN among them propagates (a failed pass is never hidden)."""
+    return float(np.max(a)) if a.size else math.nan
+
+
+def _median(a: np.ndarray) -> float:
+    return float(np.median(a)) if a.size else math.nan
+
+
+def _spearman(a: np.ndarray, b: np.ndarray) -> float:
+    ok = np.isfinite(a) & np.isfinite(b)
+    if ok.sum() < 3:
+        return math.nan
+    ra = np.argsort(np.argsort(a[ok])).astype(float)
+    rb = np.argsort(np.argsort(b[ok])).astype(float)
+    ra -= ra.mean()
+    rb -= rb.mean()
+    den = math.sqrt(float((ra * ra).sum() * (rb * rb).sum()))
+    return float((ra * rb).sum() / den) if den > 0 else math.nan
+
+
+def summarise_layer(results: Sequence[LayerResult], spec: HeadSpec, m: int, N: int,
+                    lp_dtype: torch.dtype) -> dict:
+    """Pool one layer's per-context results into per-head statistics and checks."""
+    H, d = spec.n_heads, spec.head_dim
+    heads = []
+    for h in range(H):
+        def cat(key: str) -> np.ndarray:
+            return np.concatenate([r.arrays[key][h] for r in results])
+
+        vs = np.array([r.value_scale[h] for r in results])
+        ns = np.array([r.native_scale[h] for r in results])
+        id_rel = np.concatenate([r.arrays["id_abs"][h] / r.value_scale[h] for r in results])
+        id_bnd = cat("id_bound")
+        nat_rel = max(float(np.max(r.arrays["native_abs"][h])) / r.native_scale[h]
+                      for r in results)
+        lp_rel = max(float(np.max(r.arrays["lp_abs"][h])) / r.native_scale[h] for r in results)
+        lp_id = max(float(np.max(r.arrays["lp_id_abs"][h])) / r.value_scale[h] for r in results)
+        qk = max(float(r.qk_max[h]) for r in results)
+        nat_tol = tolerances.native_rel_tol(N, d, m)
+        lp_tol = (tolerances.agreement_rel_tol(torch.float32, N, d, m) if lp_dtype == torch.float32
+                  else tolerances.native_rel_tol_lowp(lp_dtype, qk))
+        ratio = id_rel / id_bnd
+        fr, co, me = (cat(k) for k in ("reuse_frozen", "reuse_const", "reuse_mean"))
+        tv = cat("tv")
+        sel = ~np.isnan(fr)  # anchors excluded (NaN by construction)
+        rel_err = np.sqrt(fr[sel]) / np.sqrt(np.maximum(me[sel], 1e-300))
+        checks = {
+            "identity_float64": bool(np.all(id_rel <= id_bnd)),
+            "float64_vs_native": bool(nat_rel <= nat_tol),
+            "model_dtype_vs_native": bool(lp_rel <= lp_tol),
+            "finite": bool(np.all(np.isfinite(id_rel)) and math.isfinite(nat_rel)
+                           and math.isfinite(lp_rel)),
+        }
+        heads.append({
+            "head": h, "checks": checks, "passed": all(checks.values()),
+            "identity_float64_rel_max": float(np.max(id_rel)),
+            "identity_float64_bound_ratio_max": float(np.max(ratio)),
+            "float64_vs_native_rel": nat_rel, "float64_vs_native_tol": nat_tol,
+            "model_dtype_vs_native_rel": lp_rel, "model_dtype_vs_native_tol": lp_tol,
+            "model_dtype_identity_rel": lp_id,
+            "kappa_original": {"median": _median(cat("kappa_original")),
+                               "max": _max(cat("kappa_original"))},
+            "kappa_maxkey": {"median": _median(cat("kappa_maxkey")),
+                             "max": _max(cat("kappa_maxkey"))},
+            "spread": {"median": _median(cat("spread")), "max": _max(cat("spread"))},
+            "sink_mass": {"mean": float(np.mean(cat("sink"))), "median": _median(cat("sink"))},
+            "lambda_max_query_space": {"median": _median(cat("lam_query")),
+                                       "max": _max(cat("lam_query"))},
+            "lambda_max_input_space": {"median": _median(cat("lam_input")),
+                                       "max": _max(cat("lam_input"))},
+            "step_increases_E_query_space": float(np.mean(cat("inc_query"))),
+            "step_increases_E_input_space": float(np.mean(cat("inc_input"))),
+            "reuse": {
+                "n_queries": int(sel.sum()),
+                "rrmse_vs_constant_anchor": float(math.sqrt(fr[sel].sum() / co[sel].sum()))
+                if co[sel].sum() > 0 else math.nan,
+                "rrmse_vs_cache_mean": float(math.sqrt(fr[sel].sum() / me[sel].sum()))
+                if me[sel].sum() > 0 else math.nan,
+                "relative_error_median": _median(rel_err),
+                "spearman_error_vs_tv": _spearman(rel_err, tv[sel]),
+                "by_tv_quartile": _binned(rel_err, tv[sel]),
+            },
+            "value_scale": float(vs.max()), "native_scale": float(ns.max()),
+        })
+    errors = [e for r in results for e in r.errors]
+    return {"heads": heads, "errors": errors,
+            "passed": not errors and all(h["passed"] for h in heads)}
+
+
+def _binned(err: np.ndarray, tv: np.ndarray) -> list[dict]:
+    """Median relative reuse error in the quartile bins of the TV distance."""
+    if err.size < 4:
+        return []
+    qs = np.quantile(tv, [0, 0.25, 0.5, 0.75, 1.0])
+    out = []
+    for lo, hi in zip(qs[:-1], qs[1:]):
+        sel = (tv >= lo) & (tv <= hi)
+        out.append({"tv_lo": float(lo), "tv_hi": float(hi), "n": int(sel.sum()),
+                    "relative_error_median": _median(err[sel])})
+    return out
+
+
+def replication_style(final: dict[int, list[np.ndarray]], lam: dict[int, list[np.ndarray]]
+                      ) -> dict:
+    """"X of Y heads" whose final query's unit step increases E, in query space, per layer and
+    pooled; ``final[layer]`` holds one boolean array (H,) per context."""
+    per = {}
+    tx = ty = 0
+    lams = []
+    for layer in sorted(final):
+        inc = np.concatenate(final[layer])
+        la = np.concatenate(lam[layer])
+        x, y = int(inc.sum()), int(inc.size)
+        per[str(layer)] = {"increase": x, "heads": y, "lambda_max_median": _median(la),
+                           "lambda_max_max": _max(la)}
+        tx, ty = tx + x, ty + y
+        lams.append(la)
+    allla = np.concatenate(lams) if lams else np.array([])
+    return {"space": "query (features a_j = k~_j * scale; the public replication's)",
+            "query": "final position of each context, causal bank including its own key",
+            "per_layer": per, "pooled": {"increase": tx, "heads": ty,
+                                         "lambda_max_median": _median(allla),
+                                         "lambda_max_max": _max(allla)}}
+
+
+# ---------------------------------------------------------------------------------------------
+# the run: model, contexts, capture, every layer
+# ---------------------------------------------------------------------------------------------
+@dataclass
+class AtlasConfig:
+    """Everything a run depends on (recorded verbatim in the report)."""
+
+    model: str
+    revision: str | None = None
+    gguf: str | None = None
+    corpus: str = "default"
+    corpus_revision: str | None = None
+    contexts: int = 4
+    length: int = 512
+    layers: str = "all"
+    dtype: str = "float32"
+    device: str = "cpu"
+    seed: int = 1
+    anchor_every: int = 64
+    max_bytes: int = scale.DEFAULT_MAX_BYTES
+    replication_only: bool = False
+
+
+def check_config(cfg: AtlasConfig) -> None:
+    if cfg.dtype not in DTYPES:
+        raise AtlasError(f"--dtype must be one of {sorted(DTYPES)}, got {cfg.dtype!r}")
+    for name in ("contexts", "length", "anchor_every"):
+        if int(getattr(cfg, name)) < 1:
+            raise AtlasError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(cfg, name)}")
+    if cfg.length < 2:
+        raise AtlasError(f"--len must be >= 2, got {cfg.length}")
+    dev = str(cfg.device)
+    if not (dev == "cpu" or dev.startswith("cuda")):
+        raise AtlasError(f"--device must be 'cpu' or 'cuda[:N]', got {dev!r}")
+    if dev.startswith("cuda") and not torch.cuda.is_available():
+        raise AtlasError("--device cuda requested but no CUDA device is available")
+    if cfg.max_bytes < 1 << 20:
+        raise AtlasError(f"--max-bytes must be at least 1 MiB, got {cfg.max_bytes}")
+
+
+def _progress(total: int, enabled: bool, desc: str):
+    if not enabled:
+        return None
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:  # pragma: no cover - tqdm is in the model extra
+        return None
+    return tqdm(total=total, desc=desc, unit="item", file=sys.stderr, leave=False)
+
+
+def run(cfg: AtlasConfig, *, progress: bool = True, command: Sequence[str] | None = None,
+        loaded: tuple | None = None) -> dict:
+    """Run the atlas and return the report (a JSON-ready dict; nothing is written here).
+
+    ``loaded`` may pass an already loaded ``(model, tokenizer, provenance)`` (tests).
+    """
+    from . import models, protocol
+    from .corpus import load_corpus, select_blocks, sha256_file, tokenizer_fn
+
+    check_config(cfg)
+    timers: dict[str, float] = {}
+    t0 = time.perf_counter()
+    if loaded is None:
+        pc = protocol.Config(model=cfg.model, revision=cfg.revision, gguf=cfg.gguf,
+                             dtype=cfg.dtype, device=cfg.device)
+        loaded = protocol.load(pc)
+    model, tok, prov = loaded
+    timers["load_model"] = time.perf_counter() - t0
+    info = models.describe_model(model)
+    layers = protocol.parse_indices(cfg.layers, info.n_layers, "layer")
+    max_pos = getattr(model.config, "max_position_embeddings", None)
+    if max_pos is not None and cfg.length > int(max_pos):
+        raise AtlasError(f"--len {cfg.length} exceeds the model's max_position_embeddings "
+                         f"{max_pos}")
+    corpus = load_corpus(cfg.corpus, cfg.corpus_revision)
+    blocks = select_blocks(corpus.articles, tokenizer_fn(tok), cfg.contexts, cfg.length,
+                           cfg.seed, corpus_name=str(cfg.corpus))
+    lp = DTYPES[cfg.dtype]
+    per_layer: dict[int, list[LayerResult]] = {L: [] for L in layers}
+    specs: dict[int, tuple[HeadSpec, int]] = {}
+    rep_inc: dict[int, list[np.ndarray]] = {L: [] for L in layers}
+    rep_lam: dict[int, list[np.ndarray]] = {L: [] for L in layers}
+    bar = _progress(len(blocks) * len(layers), progress, "atlas")
+    for c, blk in enumerate(blocks):
+        ids = torch.tensor(blk.ids)
+        ts = time.perf_counter()
+        caps = models.capture(model, ids, layers, stop_early=False)
+        timers["model_forward"] = timers.get("model_forward", 0.0) + time.perf_counter() - ts
+        for L in layers:
+            cap = caps[L]
+            spec, w = models.layer_head(model, L, ids.numel(), dtype=torch.float64,
+                                        device=cfg.device)
+            specs[L] = (spec, int(cap.x.shape[1]))
+            if cfg.replication_only:
+                res = _final_query_only(spec, w, cap, L, cfg, timers)
+            else:
+                res = evaluate_layer(spec, w, cap.x, cap.positions, cap.heads, layer=L,
+                                     lp_dtype=lp, anchor_every=cfg.anchor_every,
+                                     max_bytes=cfg.max_bytes, device=cfg.device, timers=timers)
+                per_layer[L].append(res)
+            rep_inc[L].append(res.arrays["inc_query"][:, -1] > 0)
+            rep_lam[L].append(res.arrays["lam_query"][:, -1])
+            if bar is not None:
+                bar.update(1)
+                bar.set_postfix(context=c, layer=L)
+        del caps
+    if bar is not None:
+        bar.close()
+    out_layers = {}
+    if not cfg.replication_only:
+        for L in layers:
+            spec, m = specs[L]
+            out_layers[str(L)] = summarise_layer(per_layer[L], spec, m, cfg.length, lp)
+    timers["total"] = time.perf_counter() - t0
+    failed = [f"layer {L} head {h['head']}: " + ", ".join(k for k, v in h["checks"].items()
+                                                         if not v)
+              for L, lr in out_layers.items() for h in lr["heads"] if not h["passed"]]
+    failed += [e for lr in out_layers.values() for e in lr["errors"]]
+    corpus_prov = {"argument": str(cfg.corpus), "sha256": getattr(corpus, "sha256", None),
+                   "name": getattr(corpus, "name", None)}
+    env = protocol.environment(cfg.device)
+    return {
+        "schema": SCHEMA,
+        "command": list(command) if command is not None else None,
+        "config": asdict(cfg),
+        "model": {"name": info.name, "n_layers": info.n_layers, "n_heads": info.n_heads,
+                  "n_kv_heads": info.n_kv_heads, "head_dim": info.head_dim,
+                  "hidden": info.hidden, **_portable(prov)},
+        "corpus": corpus_prov,
+        "contexts": [{"article": b.article, "start": b.start, "n_tokens": b.n_tokens}
+                     for b in blocks],
+        "environment": env,
+        "timing_seconds": timers,
+        "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0,
+        "layers": out_layers,
+        "replication_style_descent": replication_style(rep_inc, rep_lam),
+        "verdict": {"passed": not failed, "failed": failed},
+    }
+
+
+def _portable(prov: dict) -> dict:
+    """Provenance without absolute machine paths: file names and sha256 only."""
+    out = dict(prov)
+    src = out.get("source")
+    if src is not None and (os.sep in str(src) or str(src).startswith("~")):
+        out["source"] = Path(str(src)).name
+    return out
+
+
+def _final_query_only(spec, w, cap, L, cfg, timers) -> LayerResult:
+    """The replication's measurement alone: the final query of the context, query space."""
+    n = int(cap.x.shape[0])
+    H = spec.n_heads
+    arr = {k: np.full((H, n), math.nan) for k in PER_QUERY}
+    t0 = time.perf_counter()
+    Lq = scale.project_layer(spec, w, cap.x, cap.positions, dtype=torch.float64,
+                             device=cfg.device)
+    for ch in scale.stream(spec, w, cap.x, cap.positions, gauge="original", layer=Lq,
+                           queries=[n - 1], outputs=("c",), max_bytes=cfg.max_bytes):
+        hs = ch.heads
+        c, t = ch.extra["c"], ch.t  # (G, 1, n), (G, 1, d, r)
+        k = Lq.k[Lq.group_of(hs[0]), :c.shape[-1]]
+        Gm = (c[..., None] * k).transpose(-1, -2) @ k
+        s2 = torch.tensor([spec.score_scale(h) ** 2 for h in hs], dtype=torch.float64,
+                          device=Gm.device)[:, None]
+        lam = s2 * torch.linalg.eigvalsh(Gm)[..., -1]
+        quad = (Gm * torch.einsum("gqdr,gqer->gqde", t, t)).sum((-1, -2))
+        inc = 0.5 * s2 * quad > (t * t).sum((-1, -2))
+        arr["lam_query"][hs[0]:hs[-1] + 1, -1] = lam[:, 0].cpu().numpy()
+        arr["inc_query"][hs[0]:hs[-1] + 1, -1] = inc[:, 0].double().cpu().numpy()
+    timers["replication_descent"] = timers.get("replication_descent", 0.0) + \
+        time.perf_counter() - t0
+    return LayerResult(L, arr, np.ones(H), np.ones(H), np.zeros(H))
+
+
+# ---------------------------------------------------------------------------------------------
+# report: JSON first, then Markdown and figures rendered from it
+# ---------------------------------------------------------------------------------------------
+HEATMAPS = (  # (key path, title, log10)
+    (("float64_vs_native_rel",), "float64 readout vs the model's own output (rel.)", True),
+    (("model_dtype_vs_native_rel",), "model-dtype readout vs the model's own output (rel.)", True),
+    (("kappa_maxkey", "median"), "kappa, max-key gauge (median)", True),
+    (("kappa_original", "median"), "kappa, original gauge (median)", True),
+    (("sink_mass", "mean"), "attention mass on the first key (mean)", False),
+    (("spread", "median"), "score spread (median)", False),
+    (("lambda_max_query_space", "median"), "lambda_max, query space (median)", True),
+    (("lambda_max_input_space", "median"), "lambda_max, input space (median)", True),
+    (("step_increases_E_query_space",), "unit step increases E, query space (fraction)", False),
+    (("step_increases_E_input_space",), "unit step increases E, input space (fraction)", False),
+    (("reuse", "rrmse_vs_constant_anchor"), "frozen reuse rRMSE vs constant anchor", False),
+    (("reuse", "rrmse_vs_cache_mean"), "frozen reuse rRMSE vs cache mean", False),
+)
+
+
+def _get(h: dict, path: tuple) -> float:
+    v: Any = h
+    for p in path:
+        v = v[p]
+    return float(v)
+
+
+def grid(result: dict, path: tuple) -> tuple[list[int], np.ndarray]:
+    """``(layers, values (n_layers, H))`` of one per-head statistic."""
+    layers = sorted(int(k) for k in result["layers"])
+    vals = np.array([[_get(h, path) for h in result["layers"][str(L)]["heads"]]
+                     for L in layers], dtype=float)
+    return layers, vals
+
+
+def render_markdown(result: dict) -> str:
+    from .verdict import num
+
+    cfg, mod = result["config"], result["model"]
+    lines = [f"# Atlas: {mod['name']}", "",
+             f"Command: `{' '.join(result['command'] or [])}`", "",
+             f"Model: {mod['name']} ({mod['n_layers']} layers, {mod['n_heads']} heads on "
+             f"{mod['n_kv_heads']} KV heads, head dim {mod['head_dim']}); file "
+             f"`{mod.get('gguf_file') or mod.get('source')}` sha256 `{mod.get('gguf_sha256')}`.",
+             f"Corpus: {result['corpus']['argument']} (sha256 `{result['corpus']['sha256']}`), "
+             f"{cfg['contexts']} contexts x {cfg['length']} tokens, seed {cfg['seed']}; model "
+             f"dtype {cfg['dtype']}, device {cfg['device']}; frozen-reuse anchors every "
+             f"{cfg['anchor_every']} positions.", ""]
+    v = result["verdict"]
+    lines += [f"**Verdict: {'PASS' if v['passed'] else 'FAIL'}**"
+              + ("" if v["passed"] else f" ({len(v['failed'])} failed: "
+                 + "; ".join(v["failed"][:10]) + ")"), ""]
+    tm = result["timing_seconds"]
+    lines += ["## Time", "", "| phase | seconds |", "|---|---:|"]
+    lines += [f"| {k} | {num(t, '.1f')} |" for k, t in tm.items()]
+    lines += ["", f"Peak resident memory: {num(result['peak_rss_mib'], '.0f')} MiB. "
+              "`model_forward` is the model's own forward passes over the same tokens "
+              "(capture hooks on).", ""]
+    rep = result["replication_style_descent"]
+    lines += ["## Descent as the public replication measured it", "",
+              f"Space: {rep['space']}; {rep['query']}. Unit step increases E in "
+              f"**{rep['pooled']['increase']} of {rep['pooled']['heads']}** (head, context) "
+              f"pairs pooled over layers; lambda_max median "
+              f"{num(rep['pooled']['lambda_max_median'])}, max "
+              f"{num(rep['pooled']['lambda_max_max'])}.", "",
+              "| layer | increases E | of | lambda_max median | max |", "|---:|---:|---:|---:|---:|"]
+    for L, r in rep["per_layer"].items():
+        lines.append(f"| {L} | {r['increase']} | {r['heads']} | {num(r['lambda_max_median'])} "
+                     f"| {num(r['lambda_max_max'])} |")
+    if result["layers"]:
+        lines += ["", "## Per layer (worst head, or median over heads)", "",
+                  "Input-space numbers (the paper's parametrisation) are never compared with "
+                  "the replication's query-space statistic above.", "",
+                  "| layer | pass | identity f64 (rel) | f64 vs native | dtype vs native | "
+                  "kappa maxkey (med) | sink (mean) | lambda q (med) | lambda in (med) | "
+                  "E up q | E up in | reuse rRMSE vs const | vs mean |",
+                  "|---:|:---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        for L, lr in result["layers"].items():
+            hs = lr["heads"]
+
+            def col(path: tuple, how: str) -> str:
+                x = np.array([_get(h, path) for h in hs])
+                return num(float(np.max(x) if how == "max" else np.median(x)))
+
+            lines.append(
+                f"| {L} | {'yes' if lr['passed'] else '**NO**'} | "
+                f"{col(('identity_float64_rel_max',), 'max')} | "
+                f"{col(('float64_vs_native_rel',), 'max')} | "
+                f"{col(('model_dtype_vs_native_rel',), 'max')} | "
+                f"{col(('kappa_maxkey', 'median'), 'med')} | {col(('sink_mass', 'mean'), 'med')} | "
+                f"{col(('lambda_max_query_space', 'median'), 'med')} | "
+                f"{col(('lambda_max_input_space', 'median'), 'med')} | "
+                f"{col(('step_increases_E_query_space',), 'med')} | "
+                f"{col(('step_increases_E_input_space',), 'med')} | "
+                f"{col(('reuse', 'rrmse_vs_constant_anchor'), 'med')} | "
+                f"{col(('reuse', 'rrmse_vs_cache_mean'), 'med')} |")
+        lines += ["", "Tolerances: the float64 identity per query against the readout bound "
+                  "`(N + d + 8 + max|s|) u kappa` (docs/math.md section 9); float64 vs the "
+                  "model's own float32 output against `tolerances.native_rel_tol`; the model-dtype "
+                  "readout against `agreement_rel_tol` (float32) or `native_rel_tol_lowp` (bf16).",
+                  "", "## Figures", ""]
+        for i, (_, title, _) in enumerate(HEATMAPS):
+            lines.append(f"![{title}](figures/heatmap_{i:02d}.png)")
+        lines.append("![per-layer curves](figures/per_layer.png)")
+    env = result["environment"]
+    lines += ["", "## Environment", "", f"`{env}`", ""]
+    return "\n".join(lines)
+
+
+def render_figures(result: dict, out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out.mkdir(parents=True, exist_ok=True)
+    for i, (path, title, log) in enumerate(HEATMAPS):
+        layers, vals = grid(result, path)
+        show = np.log10(np.maximum(vals, 1e-300)) if log else vals
+        fig, ax = plt.subplots(figsize=(6, 0.25 * len(layers) + 1.5))
+        im = ax.imshow(show, aspect="auto", cmap="viridis", interpolation="nearest")
+        ax.set_yticks(range(len(layers)), [str(L) for L in layers], fontsize=6)
+        ax.set_xlabel("head")
+        ax.set_ylabel("layer")
+        ax.set_title(("log10 " if log else "") + title, fontsize=8)
+        fig.colorbar(im, ax=ax)
+        fig.tight_layout()
+        fig.savefig(out / f"heatmap_{i:02d}.png", dpi=110)
+        plt.close(fig)
+    fig, axs = plt.subplots(1, 3, figsize=(12, 3.2))
+    for path, lab in ((("lambda_max_query_space", "median"), "lambda_max query"),
+                      (("lambda_max_input_space", "median"), "lambda_max input")):
+        layers, vals = grid(result, path)
+        axs[0].semilogy(layers, np.median(vals, 1), marker="o", label=lab)
+    axs[0].axhline(2.0, color="k", lw=0.8, ls="--")
+    axs[0].set_title("median over heads (2: descent threshold)", fontsize=8)
+    axs[0].legend(fontsize=7)
+    for path, lab in ((("step_increases_E_query_space",), "query space"),
+                      (("step_increases_E_input_space",), "input space")):
+        layers, vals = grid(result, path)
+        axs[1].plot(layers, np.mean(vals, 1), marker="o", label=lab)
+    axs[1].set_title("fraction of queries whose unit step increases E", fontsize=8)
+    axs[1].legend(fontsize=7)
+    for path, lab in ((("reuse", "rrmse_vs_constant_anchor"), "vs constant anchor"),
+                      (("reuse", "rrmse_vs_cache_mean"), "vs cache mean")):
+        layers, vals = grid(result, path)
+        axs[2].plot(layers, np.median(vals, 1), marker="o", label=lab)
+    axs[2].set_title("frozen reuse rRMSE (median over heads)", fontsize=8)
+    axs[2].legend(fontsize=7)
+    for a in axs:
+        a.set_xlabel("layer")
+    fig.tight_layout()
+    fig.savefig(out / "per_layer.png", dpi=110)
+    plt.close(fig)
+
+
+def write_report(result: dict, out: Path, *, figures: bool = True) -> None:
+    """``report.json``, ``report.md`` and ``figures/`` into ``out`` (created or replaced)."""
+    import shutil
+    import tempfile
+
+    from .verdict import dumps
+
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".atlas-", dir=out.parent))
+    try:
+        (tmp / "report.json").write_text(dumps(result, indent=1) + "\n")
+        (tmp / "report.md").write_text(render_markdown(result))
+        if figures and result["layers"]:
+            render_figures(result, tmp / "figures")
+        if out.exists():
+            shutil.rmtree(out)
+        tmp.rename(out)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# command line (registered as ``ropestep atlas`` in ropestep.cli)
+# ---------------------------------------------------------------------------------------------
+def add_arguments(p) -> None:
+    p.add_argument("--model", required=True, metavar="PATH_OR_ID",
+                   help="hub id, local model directory, .gguf file, or 'smollm2'")
+    p.add_argument("--revision", default=None, help="hub revision of --model")
+    p.add_argument("--gguf", default=None, metavar="FILE", help="GGUF file inside --model")
+    p.add_argument("--corpus", default="default", metavar="wikitext2|PATH|default",
+                   help="text the contexts are drawn from [default: the bundled text]")
+    p.add_argument("--contexts", type=int, default=4, metavar="C", help="contexts [4]")
+    p.add_argument("--len", dest="length", type=int, default=512, metavar="N",
+                   help="tokens per context [512]")
+    p.add_argument("--layers", default="all", metavar="all|a,b|last", help="layers [all]")
+    p.add_argument("--dtype", default="float32", choices=sorted(DTYPES),
+                   help="dtype the model runs in [float32]")
+    p.add_argument("--device", default="cpu", metavar="cpu|cuda", help="device [cpu]")
+    p.add_argument("--max-bytes", type=int, default=scale.DEFAULT_MAX_BYTES, metavar="B",
+                   help="memory budget of the streamed evaluation [1 GiB]")
+    p.add_argument("--anchor-every", type=int, default=64, metavar="K",
+                   help="frozen-reuse anchors every K positions [64]")
+    p.add_argument("--seed", type=int, default=1, help="context-selection seed [1]")
+    p.add_argument("--replication", action="store_true",
+                   help="only the replication-style descent statistic (query space, final "
+                        "query, bank including its own key)")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--no-figures", action="store_true", help="skip the figures")
+    p.add_argument("--quiet", action="store_true", help="no progress bar, no summary")
+    p.add_argument("--out", required=True, metavar="DIR", help="report directory")
+
+
+def main_args(args, argv: Sequence[str]) -> int:
+    """Handler of ``ropestep atlas``: 0 pass, 1 a check failed, 2 bad input."""
+    from . import models, protocol
+    from .corpus import CorpusError
+    prog = "ropestep atlas"
+
+    def bad(err: BaseException) -> int:
+        sys.stderr.write(f"{prog}: error: {' '.join(str(err).split())}\n")
+        return 2
+
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        return bad(FileExistsError(f"--out {args.out!r} exists and is not a directory"))
+    if args.threads is not None:
+        if args.threads < 1:
+            return bad(ValueError(f"--threads must be >= 1, got {args.threads}"))
+        torch.set_num_threads(args.threads)
+    cfg = AtlasConfig(model=args.model, revision=args.revision, gguf=args.gguf,
+                      corpus=args.corpus, contexts=args.contexts, length=args.length,
+                      layers=args.layers, dtype=args.dtype, device=args.device, seed=args.seed,
+                      anchor_every=args.anchor_every, max_bytes=args.max_bytes,
+                      replication_only=args.replication)
+    try:
+        result = run(cfg, progress=not args.quiet, command=["ropestep", *argv])
+    except (AtlasError, protocol.ProtocolError, CorpusError, models.ModelLoadError,
+            models.UnsupportedModelError) as err:
+        return bad(err)
+    write_report(result, out, figures=not args.no_figures)
+    if not args.quiet:
+        rep = result["replication_style_descent"]
+        for L, r in rep["per_layer"].items():
+            print(f"layer {L}: unit step increases E (query space, final query) in "
+                  f"{r['increase']} of {r['heads']} heads")
+        print(f"pooled: {rep['pooled']['increase']} of {rep['pooled']['heads']} heads; wrote "
+              f"{out}/report.json and report.md")
+    if not result["verdict"]["passed"]:
+        for f in result["verdict"]["failed"]:
+            sys.stderr.write(f"{prog}: FAIL {f}\n")
+        return 1
+    return 0

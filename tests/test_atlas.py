@@ -1,0 +1,186 @@
+"""The atlas's per-query statistics against the mpmath oracle, and its native check's power.
+
+Every number :func:`ropestep.atlas.evaluate_layer` produces for a small causal layer is
+recomputed from :mod:`ropestep.exact` (50 digits, its own features, coefficients and matrices):
+the identity, the input-space lambda_max (the paper's Hessian ``sum_j c_j a_j a_j^T``), the
+query-space lambda_max (``scale^2 sum_j c_j k~_j k~_j^T``), whether the unit step increases E in
+each space (``exact.objective`` before and after the step), the frozen-reuse predictions
+``mu_a + u_i^T Delta M_a`` and the total-variation distances.  The "native" output fed to the
+atlas here is the oracle's own softmax output, so the native comparison must pass; the capture
+mutations then feed it a wrong capture and it must fail.
+"""
+from __future__ import annotations
+
+import math
+
+import mpmath as mp
+import numpy as np
+import pytest
+import torch
+
+from ropestep import atlas, exact, scale, tolerances
+from ropestep.spec import HeadSpec, HeadWeights, RoPESpec, causal_mask
+
+N, ANCHOR = 11, 4
+
+
+def layer(seed: int = 0, H: int = 4, Hk: int = 2, d: int = 4, m: int = 5, amp: float = 0.9):
+    g = torch.Generator().manual_seed(seed)
+
+    def rnd(*s, std=1.0):
+        return torch.randn(*s, generator=g, dtype=torch.float64) * std
+
+    spec = HeadSpec(H, Hk, d, rope=RoPESpec(base=100.0))
+    w = HeadWeights(rnd(m, H, d, std=amp), rnd(m, Hk, d, std=amp), rnd(m, Hk, d),
+                    rnd(H, d, std=0.5), rnd(Hk, d, std=0.5), rnd(Hk, d, std=0.3))
+    return spec, w, rnd(N, m)
+
+
+@pytest.fixture(scope="module")
+def case():
+    spec, w, x = layer()
+    pos = np.arange(N)
+    E = exact.build(spec, w, x.numpy(), pos, x.numpy(), pos, causal_mask(pos, pos), dps=50)
+    native = torch.as_tensor(exact.to_float(E.y)).permute(1, 0, 2)  # (N, H, r)
+    res = atlas.evaluate_layer(spec, w, x, torch.arange(N), native, anchor_every=ANCHOR)
+    return spec, w, x, E, res
+
+
+def _rel(a, b) -> float:
+    a, b = np.asarray(a, float), np.asarray(b, float)
+    return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-300))
+
+
+def test_identity_and_native_against_the_oracle(case):
+    spec, w, x, E, res = case
+    a = res.arrays
+    vs = res.value_scale[:, None]
+    print("identity", np.max(a["id_abs"] / vs), "native", np.max(a["native_abs"] / vs))
+    assert np.all(a["id_abs"] / vs <= a["id_bound"])
+    assert np.max(a["native_abs"] / vs) <= tolerances.FLOAT64_REL
+    assert not res.errors
+
+
+def test_lambda_max_both_spaces_against_the_oracle(case):
+    spec, w, x, E, res = case
+    H = spec.n_heads
+    lam_in = np.array([[float(exact.lam_max(E, h, i)) for i in range(N)] for h in range(H)])
+    lam_q = np.zeros((H, N))
+    with mp.workdps(50):
+        for h in range(H):
+            sc2 = spec.score_scale(h) ** 2
+            for i in range(N):
+                c, _ = exact.coefficients(E, h, i)
+                G = mp.matrix(spec.head_dim, spec.head_dim)
+                for j, cj in c.items():
+                    for p in range(spec.head_dim):
+                        for q in range(spec.head_dim):
+                            G[p, q] += cj * E.k[h, j, p] * E.k[h, j, q]
+                lam_q[h, i] = float(max(mp.eigsy(G, eigvals_only=True)) * sc2)
+    e_in, e_q = _rel(res.arrays["lam_input"], lam_in), _rel(res.arrays["lam_query"], lam_q)
+    print("lambda input", e_in, "query", e_q)
+    assert e_in <= tolerances.FLOAT64_REL and e_q <= tolerances.FLOAT64_REL
+
+
+def test_descent_verdicts_against_the_oracle(case):
+    spec, w, x, E, res = case
+    H, d, r = spec.n_heads, spec.head_dim, spec.r
+    inc_in = np.zeros((H, N))
+    inc_q = np.zeros((H, N))
+    with mp.workdps(50):
+        for h in range(H):
+            sc = mp.mpf(spec.score_scale(h))
+            for i in range(N):
+                M = exact.delta_m(E, h, i)
+                e0 = exact.objective(E, h, i, M * 0)
+                inc_in[h, i] = exact.objective(E, h, i, M) > e0
+                # query space: features a_j = k~_j * scale, step B = sum_j c_j a_j (v_j - mu)^T
+                c, _ = exact.coefficients(E, h, i)
+                B = mp.matrix(d, r)
+                for j, cj in c.items():
+                    for p in range(d):
+                        for q in range(r):
+                            B[p, q] += cj * sc * E.k[h, j, p] * (E.v[h, j, q] - E.mu[h, i, q])
+                eq = mp.mpf(0)
+                eq0 = mp.mpf(0)
+                for j, cj in c.items():
+                    for q in range(r):
+                        t = E.v[h, j, q] - E.mu[h, i, q]
+                        pred = mp.fsum(sc * E.k[h, j, p] * B[p, q] for p in range(d))
+                        eq += cj * (pred - t) ** 2
+                        eq0 += cj * t * t
+                inc_q[h, i] = eq > eq0
+    print("input space increases", inc_in.mean(), "query space", inc_q.mean())
+    assert 0 < inc_in.mean() < 1 or 0 < inc_q.mean() < 1  # the case has both outcomes
+    np.testing.assert_array_equal(res.arrays["inc_input"], inc_in)
+    np.testing.assert_array_equal(res.arrays["inc_query"], inc_q)
+
+
+def test_frozen_reuse_and_tv_against_the_oracle(case):
+    spec, w, x, E, res = case
+    H = spec.n_heads
+    y = exact.to_float(E.y)
+    fr = np.full((H, N), np.nan)
+    tv = np.full((H, N), np.nan)
+    for h in range(H):
+        for i in range(N):
+            a = (i // ANCHOR) * ANCHOR
+            if a == i:
+                continue
+            M = exact.to_float(exact.delta_m(E, h, a)).reshape(x.shape[1] + 1, spec.r)
+            u = exact.to_float(E.u[h, i])
+            pred = exact.to_float(E.mu[h, a]) + u @ M
+            fr[h, i] = float(((y[h, i] - pred) ** 2).sum())
+            pi = np.array([float(mp.exp(E.s[h, i, j]) / E.Z[h, i]) if E.mask[i, j] else 0.0
+                           for j in range(N)])
+            pa = np.array([float(mp.exp(E.s[h, a, j]) / E.Z[h, a]) if E.mask[a, j] else 0.0
+                           for j in range(N)])
+            tv[h, i] = 0.5 * np.abs(pi - pa).sum()
+    a = res.arrays
+    assert np.array_equal(np.isnan(a["reuse_frozen"]), np.isnan(fr))
+    sel = ~np.isnan(fr)
+    e_fr, e_tv = _rel(a["reuse_frozen"][sel], fr[sel]), _rel(a["tv"][sel], tv[sel])
+    print("frozen", e_fr, "tv", e_tv)
+    assert e_fr <= tolerances.FLOAT64_REL and e_tv <= tolerances.FLOAT64_REL
+
+
+def test_summary_and_replication_statistic(case):
+    spec, w, x, E, res = case
+    out = atlas.summarise_layer([res], spec, x.shape[1], N, torch.float32)
+    assert out["passed"], out
+    h0 = out["heads"][0]
+    fr, co = res.arrays["reuse_frozen"][0], res.arrays["reuse_const"][0]
+    sel = ~np.isnan(fr)
+    assert math.isclose(h0["reuse"]["rrmse_vs_constant_anchor"],
+                        math.sqrt(fr[sel].sum() / co[sel].sum()), rel_tol=1e-15)
+    rep = atlas.replication_style({0: [res.arrays["inc_query"][:, -1] > 0]},
+                                  {0: [res.arrays["lam_query"][:, -1]]})
+    assert rep["pooled"]["heads"] == spec.n_heads
+    assert rep["pooled"]["increase"] == int(res.arrays["inc_query"][:, -1].sum())
+
+
+# ---------------------------------------------------------------------------------------------
+# the native comparison has power: capture mutations fail it
+# ---------------------------------------------------------------------------------------------
+def _native_rel(res) -> float:
+    return float(np.max(res.arrays["native_abs"].max(1) / res.native_scale))
+
+
+def test_capture_mutations_fail_the_native_comparison(case, monkeypatch):
+    spec, w, x, E, res = case
+    native = torch.as_tensor(exact.to_float(E.y)).permute(1, 0, 2)
+    tol = tolerances.native_rel_tol(N, spec.head_dim, x.shape[1])
+    assert _native_rel(res) <= tol
+    # the wrong layer's input (another layer's hidden states, same width)
+    _, _, x_other = layer(seed=5)
+    wrong = atlas.evaluate_layer(spec, w, x_other, torch.arange(N), native, anchor_every=ANCHOR)
+    # an off-by-one position: the model's output of token i compared at token i + 1
+    shifted = atlas.evaluate_layer(spec, w, x, torch.arange(N), torch.roll(native, 1, 0),
+                                   anchor_every=ANCHOR)
+    # the bank excluding the query's own key
+    monkeypatch.setattr(scale, "causal_chunk_mask",
+                        lambda pos, qi, n: pos[None, :n] < pos[qi][:, None] + (qi[:, None] == 0))
+    noself = atlas.evaluate_layer(spec, w, x, torch.arange(N), native, anchor_every=ANCHOR)
+    for name, r in (("wrong layer", wrong), ("off by one", shifted), ("no self", noself)):
+        print(name, _native_rel(r), "tol", tol)
+        assert _native_rel(r) > 100 * tol, name
