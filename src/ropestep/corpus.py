@@ -33,6 +33,8 @@ from typing import Callable, Iterable, Sequence
 
 import numpy as np
 
+from .provenance import sha256_file  # noqa: F401  (re-exported: corpus provenance)
+
 HEADING = re.compile(r"=\s+[^=]+?\s+=")
 
 WIKITEXT2 = {
@@ -118,15 +120,6 @@ def split_text(text: str) -> list[str]:
 def default_corpus_path() -> Path:
     """Path of the bundled default corpus."""
     return Path(__file__).resolve().parent / "data" / DEFAULT_FILE
-
-
-def sha256_file(path: str | Path) -> str:
-    """Hex sha256 of a file, read in 1 MiB chunks (corpus and model provenance)."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def load_text_file(path: str | Path) -> Corpus:

@@ -36,6 +36,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
+from .provenance import sha256_file
 from .spec import HeadSpec, HeadWeights, RoPESpec
 
 # model_type -> score family of ropestep.spec
@@ -164,9 +165,18 @@ def load_model(source: str | os.PathLike, *, revision: str | None = None,
     mkw = dict(kw, dtype=dtype, attn_implementation="eager")
     if device_map is not None:
         mkw["device_map"] = device_map
+    cached = gguf_cache_dir(Path(name) / gguf, dtype) if gguf is not None else None
     try:
-        model = AutoModelForCausalLM.from_pretrained(name, **mkw)
-        tok = AutoTokenizer.from_pretrained(name, **kw) if tokenizer else None
+        if cached is not None and (cached / CACHE_MARKER).is_file():
+            # the de-quantised weights of this very file (same sha256, same transformers)
+            ckw = {k: v for k, v in mkw.items() if k != "gguf_file"}
+            model = AutoModelForCausalLM.from_pretrained(str(cached), **ckw)
+            tok = AutoTokenizer.from_pretrained(str(cached)) if tokenizer else None
+        else:
+            model = AutoModelForCausalLM.from_pretrained(name, **mkw)
+            tok = AutoTokenizer.from_pretrained(name, **kw) if tokenizer else None
+            if cached is not None:
+                _write_gguf_cache(model, tok, cached, Path(name) / gguf)
     except Exception as err:
         raise _load_error(src, err, is_local) from None
     if device_map is None:
@@ -180,6 +190,66 @@ def load_model(source: str | os.PathLike, *, revision: str | None = None,
             f"{model.config._attn_implementation!r} although 'eager' was requested")
     describe_model(model)  # module-level checks of every layer
     return model, tok
+
+
+CACHE_MARKER = "ropestep-gguf-cache.json"
+
+
+def gguf_cache_root() -> Path | None:
+    """Where de-quantised GGUF models are cached: ``$ROPESTEP_CACHE/gguf`` (default
+    ``~/.cache/ropestep/gguf``); ``ROPESTEP_GGUF_CACHE=0`` switches the cache off (None)."""
+    if os.environ.get("ROPESTEP_GGUF_CACHE", "1").strip() in ("0", "off", "no", "false"):
+        return None
+    base = os.environ.get("ROPESTEP_CACHE") or os.path.join(os.path.expanduser("~"), ".cache",
+                                                            "ropestep")
+    return Path(base) / "gguf"
+
+
+def gguf_cache_dir(gguf_path: Path, dtype: torch.dtype) -> Path | None:
+    """The cache directory of one GGUF file de-quantised to ``dtype``: keyed by the file's
+    sha256, the dtype and the transformers version (whose de-quantiser produced it)."""
+    root = gguf_cache_root()
+    if root is None:
+        return None
+    import transformers
+
+    key = f"{sha256_file(gguf_path)}-{str(dtype).replace('torch.', '')}-tf{transformers.__version__}"
+    return root / key
+
+
+def _write_gguf_cache(model: Any, tok: Any, cached: Path, gguf_path: Path) -> None:
+    """Save the de-quantised model (safetensors) and tokenizer; atomic (rename when complete).
+    A cache that cannot be written (read-only disk, full disk) is skipped, never fatal."""
+    import json
+    import shutil
+    import tempfile
+
+    import warnings
+
+    from safetensors.torch import save_model
+
+    tmp = None
+    try:
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=".partial-", dir=cached.parent))
+        # save_pretrained refuses GGUF-loaded models; the weights are plain tensors by now
+        model.config.save_pretrained(tmp)
+        save_model(model, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        if tok is not None:
+            tok.save_pretrained(tmp)
+        (tmp / CACHE_MARKER).write_text(json.dumps(
+            {"gguf_file": gguf_path.name, "sha256": cached.name.split("-")[0]}) + "\n")
+        if (cached / CACHE_MARKER).is_file():  # another process finished first: keep its copy
+            shutil.rmtree(tmp, ignore_errors=True)
+            return
+        if cached.exists():  # an incomplete leftover
+            shutil.rmtree(cached)
+        tmp.rename(cached)
+    except Exception as err:  # a cache is an optimisation: never fatal, but said
+        warnings.warn(f"ropestep: could not cache the de-quantised {gguf_path.name} in "
+                      f"{cached.parent}: {type(err).__name__}: {err}", RuntimeWarning)
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def locate_smollm2_gguf() -> Path:

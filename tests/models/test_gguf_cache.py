@@ -1,0 +1,52 @@
+"""The de-quantised GGUF cache: a second load reads safetensors keyed by the file's sha256.
+
+The cached model must be the same model: every tensor of the state dict equal, the same
+config, the same tokenizer ids, the same forward output.  The cache can be switched off, and a
+cache that cannot be written never breaks a load.
+"""
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from ropestep import models
+
+pytestmark = pytest.mark.model
+
+
+def _load(monkeypatch, root, **env):
+    monkeypatch.setenv("ROPESTEP_CACHE", str(root))
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    t0 = time.perf_counter()
+    m, tok = models.load_model(models.locate_smollm2_gguf())
+    return m, tok, time.perf_counter() - t0
+
+
+def test_second_load_reads_the_cache_and_is_the_same_model(monkeypatch, tmp_path):
+    m1, tok1, t1 = _load(monkeypatch, tmp_path)
+    dirs = list((tmp_path / "gguf").iterdir())
+    assert len(dirs) == 1 and (dirs[0] / models.CACHE_MARKER).is_file()
+    sha = models.sha256_file(models.locate_smollm2_gguf())
+    assert dirs[0].name.startswith(sha)
+    m2, tok2, t2 = _load(monkeypatch, tmp_path)
+    print(f"first load {t1:.1f} s, cached load {t2:.1f} s")
+    s1, s2 = m1.state_dict(), m2.state_dict()
+    assert s1.keys() == s2.keys()
+    assert all(torch.equal(s1[k], s2[k]) for k in s1)
+    text = "def f(x):\n    return x + 1\n"
+    assert tok1(text)["input_ids"] == tok2(text)["input_ids"]
+    ids = torch.tensor([tok1(text)["input_ids"]])
+    with torch.no_grad():
+        assert torch.equal(m1(ids).logits, m2(ids).logits)
+    assert t2 < t1
+
+
+def test_cache_can_be_switched_off(monkeypatch, tmp_path):
+    monkeypatch.setenv("ROPESTEP_CACHE", str(tmp_path))
+    assert models.gguf_cache_root() == tmp_path / "gguf"
+    monkeypatch.setenv("ROPESTEP_GGUF_CACHE", "0")
+    assert models.gguf_cache_root() is None
+    assert models.gguf_cache_dir(models.locate_smollm2_gguf(), torch.float32) is None
