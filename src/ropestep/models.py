@@ -814,13 +814,15 @@ def capture(model: Any, input_ids: Any, layers: int | Sequence[int], *,
 
 def capture_continuations(model: Any, prefix_ids: Any,
                           candidates: Sequence[int] | Callable[[torch.Tensor], Sequence[int]],
-                          layers: int | Sequence[int]) -> ContinuationCapture:
+                          layers: int | Sequence[int], *, batched: bool = True
+                          ) -> ContinuationCapture:
     """Capture the layer inputs of Q candidate next tokens after a shared prefix.
 
     The prefix (positions ``0..n-2``) runs once with the KV cache on; its captures are the bank
     and its last-position logits are returned (``candidates`` may be a function of them, e.g.
-    ``lambda logits: top_candidates(logits, observed)``).  Each candidate then runs as a
-    single-token step at position ``n-1`` on its own deep copy of the prefix cache, so every
+    ``lambda logits: top_candidates(logits, observed)``).  The candidates then run at position
+    ``n-1`` as ONE batched single-token step on the prefix cache repeated once per candidate
+    (``batched=False``: one step per candidate on its own deep copy of the cache), so every
     candidate sees exactly the prefix and itself -- the same result as a full forward over
     ``prefix + [candidate]`` up to float32 rounding (different matmul shapes).
     """
@@ -847,14 +849,25 @@ def capture_continuations(model: Any, prefix_ids: Any,
         vocab = logits.shape[0]
         if int(cand.min()) < 0 or int(cand.max()) >= vocab:
             raise ValueError(f"candidate token ids must lie in [0, {vocab})")
-        pos = torch.tensor([[n1]], device=dev)
+        Q = int(cand.numel())
         with _hooks(model, Ls) as rec:
-            for t in cand.tolist():
+            if batched and hasattr(cache, "batch_repeat_interleave"):
+                # one forward: the prefix cache repeated Q times, one candidate token per row
                 step_cache = copy.deepcopy(cache)
-                model(input_ids=torch.tensor([[t]], device=dev), position_ids=pos,
-                      use_cache=True, **{ckw: step_cache}, **_last_logits_kw(model))
-                del step_cache
-        queries = _take(rec, info, cand.numel(), torch.full((cand.numel(),), n1))
+                step_cache.batch_repeat_interleave(Q)
+                model(input_ids=cand.to(dev)[:, None], position_ids=torch.full(
+                      (Q, 1), n1, device=dev), use_cache=True, **{ckw: step_cache},
+                      **_last_logits_kw(model))
+                calls = 1
+            else:  # one single-token step per candidate on its own copy of the cache
+                for t in cand.tolist():
+                    step_cache = copy.deepcopy(cache)
+                    model(input_ids=torch.tensor([[t]], device=dev),
+                          position_ids=torch.tensor([[n1]], device=dev), use_cache=True,
+                          **{ckw: step_cache}, **_last_logits_kw(model))
+                calls = Q
+            del step_cache
+        queries = _take(rec, info, calls, torch.full((Q,), n1))
     return ContinuationCapture(prefix_ids=ids.cpu(), candidates=cand, position=n1, logits=logits,
                                prefix=prefix, queries=queries)
 
