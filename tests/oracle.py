@@ -83,3 +83,81 @@ def pairwise_route_abs(E: exact.ExactHead, h: int, i: int) -> float:
                               for j in perm)
                 best = max(best, tot)
         return float(best)
+
+
+# ---------------------------------------------------------------------------------------------
+# the readout's condition number: fast's kappa, checked against the oracle's
+# ---------------------------------------------------------------------------------------------
+MAXKEY_TIE = 1e-6  # scores this close to the maximum may be the fast layer's j* after rounding
+
+
+def kappa_rel(kf: float, ke) -> float:
+    """Disagreement of a float64 kappa ``kf`` with the exact ``ke`` (mpf), relative to
+    ``max(ke, tolerances.KAPPA_FLOOR)`` (a kappa below the floor may underflow and moves no
+    tolerance).  Both beyond float64's range (``kf`` = inf): 0.  NaN stays NaN (and fails every
+    comparison)."""
+    from ropestep import tolerances
+
+    kf = float(kf)
+    if np.isinf(kf) and kf > 0 and ke > mp.mpf(np.finfo(np.float64).max):
+        return 0.0
+    if not np.isfinite(kf):
+        return float("nan") if np.isnan(kf) else float("inf")
+    return float(abs(mp.mpf(kf) - ke) / max(ke, mp.mpf(tolerances.KAPPA_FLOOR)))
+
+
+def exact_kappa_near(E: exact.ExactHead, h: int, i: int, gauge, kf: float):
+    """The exact kappa of (h, i) in ``gauge`` -- in the max-key gauge, of the anchor among the
+    near-maximal keys (within ``MAXKEY_TIE`` of the largest exact score) closest to ``kf``: at
+    a near-tie rounding may let the fast layer pick any of them, each an equally valid gauge."""
+    if gauge_name(gauge) != "maxkey":
+        return exact.kappa(E, h, i, gauge)
+    js = np.flatnonzero(E.mask[i])
+    smax = max(E.s[h, i, j] for j in js)
+    cands = [j for j in js if smax - E.s[h, i, j] <= MAXKEY_TIE]
+    if len(cands) == 1:
+        return exact.kappa(E, h, i, gauge)
+    return min((exact.kappa(E, h, i, gauge, anchor=j) for j in cands),
+               key=lambda ke: kappa_rel(kf, ke))
+
+
+def kappa_agreement(E: exact.ExactHead, kappa_fast, gauge) -> tuple[np.ndarray, np.ndarray]:
+    """``(rel, ke)``: per head and query the relative disagreement of the fast float64 kappa
+    with the exact one (:func:`kappa_rel`) and the exact kappa as float64 (inf beyond range)."""
+    kf = np.asarray(kappa_fast.detach().cpu().double().numpy() if hasattr(kappa_fast, "detach")
+                    else kappa_fast, dtype=np.float64)
+    H, Q = kf.shape
+    rel, ke = np.zeros((H, Q)), np.zeros((H, Q))
+    for h in range(H):
+        for i in range(Q):
+            k_ex = exact_kappa_near(E, h, i, gauge, kf[h, i])
+            rel[h, i] = kappa_rel(kf[h, i], k_ex)
+            ke[h, i] = float(k_ex)
+    return rel, ke
+
+
+def check_kappa_agreement(E: exact.ExactHead, st_, gauge) -> tuple[np.ndarray, np.ndarray]:
+    """Assert that the fast float64 step ``st_`` (same gauge, same inputs as ``E``) returned the
+    exact condition number to ``tolerances.KAPPA_REL`` at every head and query; return
+    ``(rel, ke)`` as :func:`kappa_agreement`."""
+    import torch
+
+    from ropestep import tolerances
+
+    if st_.kappa.dtype != torch.float64:
+        raise TypeError("the kappa check compares a float64 step's kappa with the oracle")
+    rel, ke = kappa_agreement(E, st_.kappa, gauge)
+    bad = np.argwhere(~(rel <= tolerances.KAPPA_REL))
+    assert bad.size == 0, (
+        f"fast kappa disagrees with exact kappa ({gauge_name(gauge)} gauge) at (head, query) "
+        f"{tuple(bad[0])}: fast {float(st_.kappa[tuple(bad[0])]):.6e}, exact "
+        f"{ke[tuple(bad[0])]:.6e}, relative {rel[tuple(bad[0])]:.2e} > {tolerances.KAPPA_REL}")
+    return rel, ke
+
+
+def checked_kappa(E: exact.ExactHead, st_, gauge) -> np.ndarray:
+    """The readout's condition number to scale a tolerance with, ``(H, Q)`` float64: the exact
+    kappa of ``E`` (:func:`ropestep.exact.kappa`), after asserting that the fast float64 step
+    ``st_`` returned the same value (:func:`check_kappa_agreement`) -- a wrong ``Step.kappa``
+    fails here instead of silently widening a bound."""
+    return check_kappa_agreement(E, st_, gauge)[1]

@@ -7,12 +7,12 @@ import mpmath as mp
 import numpy as np
 import pytest
 import torch
-from hypothesis import example, given
+from hypothesis import assume, event, example, given
 from hypothesis import strategies as st
 
 from ropestep import exact, fast, tolerances
 from ropestep.spec import HeadSpec, RoPESpec
-from oracle import top2_gap
+from oracle import checked_kappa, top2_gap
 from strategies import make_problem, problems
 
 REL = tolerances.FLOAT64_REL
@@ -114,11 +114,22 @@ def test_frozen_reuse_fast(p):
         return
     ru = fast.frozen_reuse(st_, anchor=0)
     vs = float(st_.extras["projected"].v.abs().max())
-    # both sides are readout-type sums: the derived readout bound, with the scores' size
+    E = exact.build(*p.args(), bias=p.bias, dps=40)
+    # both sides are readout-type sums: the derived readout bound, with the scores' size and
+    # the sum's condition number -- fast's kappa, asserted equal to the oracle's first
     smax = float(st_.s.abs().max())
-    kap = float(st_.kappa.max()) + 1
+    kap = float(checked_kappa(E, st_, "original").max()) + 1
     tol = max(REL, float(tolerances.readout_bound(torch.float64, 2 * kap, p.x_kv.shape[0],
                                                   p.spec.head_dim, smax)))
+    if tol >= 1:
+        # Vacuous: every comparison below would admit any answer.  Frozen reuse is stated in the
+        # original gauge only (no better-conditioned gauge gives the same predictor), and the
+        # oracle's kappa -- asserted equal to fast's just above -- certifies that this problem's
+        # original-gauge sums cannot be evaluated to any digit in float64 (all scores far below
+        # 0: kappa ~ e^{-z_max}).  Excluded: hypothesis draws another example in its place, so
+        # every counted example checks something.
+        event("frozen reuse: bound vacuous (certified by the exact kappa), example excluded")
+        assume(False)
     assert float((ru.error - ru.tokenwise).abs().max()) <= tol * vs
     if p.spec.affine:
         dm = st_.delta_m
@@ -127,14 +138,12 @@ def test_frozen_reuse_fast(p):
         if st_.b is not None:
             refresh[:, :, -1] += st_.b - st_.b[:, :1]
         # relative to the matrices' sum-of-absolute-terms scale (their differences cancel)
-        E = exact.build(*p.args(), bias=p.bias, dps=40)
         mabs = max(float(exact.delta_m_abs(E, h, i)) for h in range(p.spec.n_heads)
                    for i in range(p.x_q.shape[0]))
         assert float((refresh - (dm - dm[:, :1])).abs().max()) <= tol * mabs
         sc = ru.error.abs().amax(-1, keepdim=True).clamp_min(1e-300)  # scaled: no overflow
         ne = sc[..., 0] * torch.linalg.vector_norm(ru.error / sc, dim=-1)
         assert bool((ne <= ru.bound * (1 + 1e-12) + tol * vs).all())
-    E = exact.build(*p.args(), bias=p.bias, dps=40)
     for h in range(p.spec.n_heads):
         for i in range(1, p.x_q.shape[0]):
             tok = [float(x) for x in exact.tokenwise_reuse_error(E, h, i, 0)]

@@ -42,6 +42,7 @@ import numpy as np
 import torch
 
 from . import scale, tolerances
+from .dist import broadcast_from_rank0, finish, gather_to_rank0, init_distributed, shard
 from .kernel import augment
 from .rope import apply_rope
 from .spec import HeadSpec, HeadWeights
@@ -430,10 +431,13 @@ def _progress(total: int, enabled: bool, desc: str):
 
 
 def run(cfg: AtlasConfig, *, progress: bool = True, command: Sequence[str] | None = None,
-        loaded: tuple | None = None) -> dict:
+        loaded: tuple | None = None, dist_info: tuple[int, int] | None = None) -> dict | None:
     """Run the atlas and return the report (a JSON-ready dict; nothing is written here).
 
     ``loaded`` may pass an already loaded ``(model, tokenizer, provenance)`` (tests).
+    ``dist_info = (rank, world)`` under torchrun (:func:`ropestep.dist.init_distributed`):
+    every rank computes its share of the (context, layer) items, rank 0 gathers them and
+    returns the report; the other ranks return None.
     """
     from . import models, protocol
     from .corpus import load_corpus, select_blocks, sha256_file, tokenizer_fn
@@ -457,17 +461,22 @@ def run(cfg: AtlasConfig, *, progress: bool = True, command: Sequence[str] | Non
     blocks = select_blocks(corpus.articles, tokenizer_fn(tok), cfg.contexts, cfg.length,
                            cfg.seed, corpus_name=str(cfg.corpus))
     lp = DTYPES[cfg.dtype]
-    per_layer: dict[int, list[LayerResult]] = {L: [] for L in layers}
+    # work items (context, layer), sharded round-robin over torchrun's processes (one process:
+    # all of them); every item is computed from its own inputs alone, so the report does not
+    # depend on the number of processes
+    rank, world = dist_info if dist_info is not None else (0, 1)
+    items = [(c, L) for c in range(len(blocks)) for L in layers]
+    mine = shard(items, rank, world)
+    done: list[tuple[int, int, LayerResult]] = []
     specs: dict[int, tuple[HeadSpec, int]] = {}
-    rep_inc: dict[int, list[np.ndarray]] = {L: [] for L in layers}
-    rep_lam: dict[int, list[np.ndarray]] = {L: [] for L in layers}
-    bar = _progress(len(blocks) * len(layers), progress, "atlas")
-    for c, blk in enumerate(blocks):
-        ids = torch.tensor(blk.ids)
+    bar = _progress(len(mine), progress and rank == 0, "atlas")
+    for c in sorted({c for c, _ in mine}):
+        my_layers = [L for cc, L in mine if cc == c]
+        ids = torch.tensor(blocks[c].ids)
         ts = time.perf_counter()
-        caps = models.capture(model, ids, layers, stop_early=False)
+        caps = models.capture(model, ids, my_layers, stop_early=False)
         timers["model_forward"] = timers.get("model_forward", 0.0) + time.perf_counter() - ts
-        for L in layers:
+        for L in my_layers:
             cap = caps[L]
             spec, w = models.layer_head(model, L, ids.numel(), dtype=torch.float64,
                                         device=cfg.device)
@@ -478,15 +487,29 @@ def run(cfg: AtlasConfig, *, progress: bool = True, command: Sequence[str] | Non
                 res = evaluate_layer(spec, w, cap.x, cap.positions, cap.heads, layer=L,
                                      lp_dtype=lp, anchor_every=cfg.anchor_every,
                                      max_bytes=cfg.max_bytes, device=cfg.device, timers=timers)
-                per_layer[L].append(res)
-            rep_inc[L].append(res.arrays["inc_query"][:, -1] > 0)
-            rep_lam[L].append(res.arrays["lam_query"][:, -1])
+            done.append((c, L, res))
             if bar is not None:
                 bar.update(1)
                 bar.set_postfix(context=c, layer=L)
         del caps
     if bar is not None:
         bar.close()
+    parts = gather_to_rank0({"rank": rank, "done": done, "specs": specs, "timers": timers},
+                            rank, world)
+    if rank != 0:
+        return None
+    done = sorted((d for p in parts for d in p["done"]), key=lambda t: (t[0], t[1]))
+    if [(c, L) for c, L, _ in done] != sorted(items):
+        raise RuntimeError("the gathered atlas items do not cover the work list exactly once")
+    for p in parts:
+        specs.update(p["specs"])
+    per_layer: dict[int, list[LayerResult]] = {L: [] for L in layers}
+    rep_inc: dict[int, list[np.ndarray]] = {L: [] for L in layers}
+    rep_lam: dict[int, list[np.ndarray]] = {L: [] for L in layers}
+    for c, L, res in done:
+        per_layer[L].append(res)
+        rep_inc[L].append(res.arrays["inc_query"][:, -1] > 0)
+        rep_lam[L].append(res.arrays["lam_query"][:, -1])
     out_layers = {}
     if not cfg.replication_only:
         for L in layers:
@@ -512,6 +535,9 @@ def run(cfg: AtlasConfig, *, progress: bool = True, command: Sequence[str] | Non
                      for b in blocks],
         "environment": env,
         "timing_seconds": timers,
+        "run": {"world_size": world,
+                "rank_items": {str(p["rank"]): [[c, L] for c, L, _ in p["done"]] for p in parts},
+                "rank_timing_seconds": {str(p["rank"]): p["timers"] for p in parts}},
         "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0,
         "layers": out_layers,
         "replication_style_descent": replication_style(rep_inc, rep_lam),
@@ -786,11 +812,22 @@ def main_args(args, argv: Sequence[str]) -> int:
                       anchor_every=args.anchor_every, max_bytes=args.max_bytes,
                       replication_only=args.replication)
     try:
-        result = run(cfg, progress=not args.quiet, command=["ropestep", *argv])
-    except (AtlasError, protocol.ProtocolError, CorpusError, models.ModelLoadError,
-            models.UnsupportedModelError) as err:
-        return bad(err)
-    write_report(result, out, figures=not args.no_figures)
+        rank, world, _ = init_distributed(None, "cpu" if args.device == "cpu" else args.device)
+        try:
+            result = run(cfg, progress=not args.quiet, command=["ropestep", *argv],
+                         dist_info=(rank, world))
+        except (AtlasError, protocol.ProtocolError, CorpusError, models.ModelLoadError,
+                models.UnsupportedModelError) as err:
+            return bad(err)
+        code = 0
+        if rank == 0:
+            write_report(result, out, figures=not args.no_figures)
+            code = 0 if result["verdict"]["passed"] else 1
+        code = broadcast_from_rank0(code, rank, world)
+        if rank != 0:
+            return code
+    finally:
+        finish()
     if not args.quiet:
         rep = result["replication_style_descent"]
         for L, r in rep["per_layer"].items():
@@ -803,3 +840,28 @@ def main_args(args, argv: Sequence[str]) -> int:
             sys.stderr.write(f"{prog}: FAIL {f}\n")
         return 1
     return 0
+
+
+def same_report(a: dict, b: dict) -> bool:
+    """True when two atlas reports agree in every number (timing, run and environment aside)."""
+    skip = {"run", "timing_seconds", "environment", "peak_rss_mib", "command"}
+    return {k: v for k, v in a.items() if k not in skip} == \
+        {k: v for k, v in b.items() if k not in skip}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m ropestep.atlas ...`` (what torchrun launches); same as ``ropestep atlas``."""
+    import argparse
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    p = argparse.ArgumentParser(prog="ropestep atlas", description=(__doc__ or "").split("\n")[0])
+    add_arguments(p)
+    try:
+        args = p.parse_args(argv)
+    except SystemExit as stop:
+        return int(stop.code or 0)
+    return main_args(args, ["atlas", *argv])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

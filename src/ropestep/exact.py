@@ -507,6 +507,113 @@ def all_delta_m(E: ExactHead, gauge: Any = "original") -> np.ndarray:
 
 
 # ---------------------------------------------------------------------------------------------
+# condition number of the readout
+# ---------------------------------------------------------------------------------------------
+def kappa(E: ExactHead, h: int, i: int, gauge: Any = "original", anchor: int | None = None
+          ) -> mp.mpf:
+    """Condition number ``kappa_i`` of the readout sum ``y_i = mu_i + q_i T_i + b_i`` as the
+    fast layer evaluates it, relative to the value scale ``S = max_{j in I_i} ||v_j||_inf``.
+
+    Key gauges (original ``k_o = 0, beta_o = 0, sigma = 0``; max-key ``k_o = k~_{j*}``,
+    ``beta_o = beta_{i j*}``, ``sigma = 0`` in this formula; a free vector ``g``:
+    ``k_o = 0, beta_o = 0, sigma_i = u_i . g``), with the gauge's own coefficients
+    ``c_ij = (e^{phi(s_ij)} - e^{phi(sigma)}) / ((s_ij - sigma) Z_i)`` (:func:`coefficients`)::
+
+        kappa_i = sum_{j in I_i} |c_ij| (|q_i| . |k~_j - k_o| + |beta_ij - beta_o| + |sigma_i|)
+                                 (||v_j - mu_i||_inf + ||v_j||_inf) / S
+
+    Pairwise gauge, ``kbar_i``/``betabar_i`` the permitted-set means of the rotated keys and
+    biases, ``D_jk = exp_phi[s_ij, s_ik] / Z_i`` (diagonal included), ``N_i = |I_i|`` and
+    ``vab_j = ||v_j - mu_i||_inf + ||v_j||_inf``::
+
+        lvb_j   = (sum_k D_jk vab_j + sum_k D_jk vab_k) / N_i
+        kappa_i = sum_{j in I_i} (|q_i| . |k~_j - kbar_i| + |beta_ij - betabar_i|) lvb_j / S
+
+    ``|a| . |b|`` is ``sum_c |a_c| |b_c|``; ``q_i`` is the effective query (rotated, normalised
+    for qknorm/cosine, times the score scale), ``k~_j`` the rotated key of the query head's KV
+    group, ``beta`` the additive bias (ALiBi and/or explicit); all are this layer's own
+    mpmath quantities, not the fast layer's tensors.
+
+    Why this is the sum's condition number: in a key gauge the readout is
+    ``mu_i + sum_j c_ij (q_i . (k~_j - k_o) + beta_ij - beta_o - sigma_i) (v_j - mu_i)``,
+    evaluated as ``mu + sum_c q_c T_c + b - sigma w`` with ``T_c = sum_j c_j (k~_jc - k_oc)
+    (v_j - mu)``.  A relative perturbation ``eps`` of every factor of every term -- each rounded
+    product, each partial sum of the contraction ``q . T`` (which meets ``|q_c| |k~_jc - k_oc|``,
+    not the possibly cancelled ``|q . (k~_j - k_o)|``), the coefficients, and the centred value
+    ``v_j - mu`` (whose rounding is absolute, ``eps |v_j|``) -- moves the result by at most
+    ``eps * sum_j |c_j| (|q| . |k~_j - k_o| + |beta_j - beta_o| + |sigma|) (|v_j - mu| + |v_j|)``
+    in the inf-norm, and perturbations whose signs follow the terms' attain it up to the choice
+    of one value component per key (a factor at most ``r``).  Divided by ``S`` this is the
+    componentwise (Higham, section 3.1) condition number of the evaluated sum relative to the
+    value scale: the readout keeps about ``-log10(kappa u)`` digits of ``S``.  The pairwise
+    gauge evaluates ``sum_j (q . (k~_j - kbar) + beta_j - betabar) lv_j`` with
+    ``lv_j = (1/N) sum_k D_jk ((v_j - mu) - (v_k - mu))`` (the Laplacian form), and ``lvb_j``
+    is the same absolute bound of each ``lv_j``.
+
+    ``anchor`` (max-key gauge only) replaces ``j*`` by another permitted key: at a (near-)tie of
+    the largest scores the max-key gauge is ambiguous, and a caller may evaluate every candidate.
+    Returns an ``mpf`` at the head's working precision (0 when every permitted value is 0).
+    """
+    with mp.workprec(E.prec):
+        perm = list(np.flatnonzero(E.mask[i]))
+        r = E.spec.r
+        q = E.q[h, i]
+        S = max(abs(E.v[h, j, c]) for j in perm for c in range(r))
+        if S == 0:
+            return mp.mpf(0)
+        vab = {j: max(abs(E.v[h, j, c] - E.mu[h, i, c]) for c in range(r))
+               + max(abs(E.v[h, j, c]) for c in range(r)) for j in perm}
+
+        def absdot(ko: Sequence, j: int) -> mp.mpf:
+            return mp.fsum(abs(qc) * abs(kc - oc) for qc, kc, oc in zip(q, E.k[h, j], ko))
+
+        if isinstance(gauge, str) and gauge == "pairwise":
+            n = len(perm)
+            kbar = [mp.fsum(E.k[h, j][c] for j in perm) / n for c in range(len(q))]
+            bbar = mp.fsum(E.beta[h, i, j] for j in perm) / n
+            Dm = {}
+            for a, j in enumerate(perm):
+                for k in perm[a:]:
+                    Dm[j, k] = Dm[k, j] = exp_phi_dd(E.s[h, i, j], E.s[h, i, k],
+                                                     E.spec.softcap) / E.Z[h, i]
+            tot = mp.fsum((absdot(kbar, j) + abs(E.beta[h, i, j] - bbar))
+                          * (mp.fsum(Dm[j, k] for k in perm) * vab[j]
+                             + mp.fsum(Dm[j, k] * vab[k] for k in perm)) / n
+                          for j in perm)
+            return tot / S
+        ko, bo, sig = [mp.mpf(0)] * len(q), mp.mpf(0), mp.mpf(0)
+        if isinstance(gauge, str) and gauge == "maxkey":
+            js = max_key(E, h, i) if anchor is None else int(anchor)
+            if js not in perm:
+                raise ValueError(f"anchor {js} is not in query {i}'s permitted set")
+            ko, bo = list(E.k[h, js]), E.beta[h, i, js]
+            if anchor is None:
+                c, _ = coefficients(E, h, i, gauge)
+            else:  # the max-key coefficients, anchored at the given key
+                c = {j: exp_phi_dd(E.s[h, i, j], E.s[h, i, js], E.spec.softcap) / E.Z[h, i]
+                     for j in perm}
+        else:
+            if anchor is not None:
+                raise ValueError("anchor is only meaningful in the max-key gauge")
+            c, g = coefficients(E, h, i, gauge)
+            if not isinstance(gauge, str):  # a free gauge vector: sigma_i = u_i . g
+                sig = _dot(E.u[h, i], g)
+        tot = mp.fsum(abs(cj) * (absdot(ko, j) + abs(E.beta[h, i, j] - bo) + abs(sig)) * vab[j]
+                      for j, cj in c.items())
+        return tot / S
+
+
+def all_kappa(E: ExactHead, gauge: Any = "original") -> np.ndarray:
+    """:func:`kappa` for every head and query, an object array ``(H, Q)`` of mpf."""
+    H, Q = E.u.shape[:2]
+    out = np.empty((H, Q), dtype=object)
+    for h in range(H):
+        for i in range(Q):
+            out[h, i] = kappa(E, h, i, gauge)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
 # gradient step
 # ---------------------------------------------------------------------------------------------
 def objective(E: ExactHead, h: int, i: int, B: mp.matrix, gauge: Any = "original") -> mp.mpf:

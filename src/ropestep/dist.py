@@ -1,0 +1,74 @@
+"""Processes: torchrun's environment, round-robin shards of work items, gathering to rank 0.
+
+Used by the multi-process commands (``ropestep sweep``, ``ropestep atlas``).  Without a
+launcher environment everything is a single process (rank 0 of 1, no process group).
+Imports nothing of ropestep.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any, Sequence
+
+
+def under_launcher() -> bool:
+    """True when started by torchrun (or any launcher setting the env:// variables)."""
+    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
+
+
+def init_distributed(backend: str | None = None, device: str = "cpu") -> tuple[int, int, Any]:
+    """Join the process group from torchrun's environment; ``(rank, world, device)``.
+
+    ``backend`` defaults to ``nccl`` for CUDA devices and ``gloo`` otherwise.  Without a
+    launcher environment this is a single process: ``(0, 1, device)`` and no group.
+    """
+    import torch
+    import torch.distributed as dist
+
+    if not under_launcher():
+        return 0, 1, torch.device(device)
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        local = int(os.environ.get("LOCAL_RANK", 0))
+        dev = torch.device("cuda", local)
+        torch.cuda.set_device(dev)
+    be = backend or ("nccl" if dev.type == "cuda" else "gloo")
+    if not dist.is_initialized():
+        dist.init_process_group(backend=be, init_method="env://")
+    return dist.get_rank(), dist.get_world_size(), dev
+
+
+def gather_to_rank0(obj: Any, rank: int, world: int) -> list[Any] | None:
+    """``gather_object`` of one picklable object per rank; the list on rank 0, None elsewhere."""
+    if world == 1:
+        return [obj]
+    import torch.distributed as dist
+
+    out = [None] * world if rank == 0 else None
+    dist.gather_object(obj, out, dst=0)
+    return out
+
+
+def broadcast_from_rank0(obj: Any, rank: int, world: int) -> Any:
+    """Rank 0's ``obj`` on every rank (e.g. the verdict, so every rank exits alike)."""
+    if world == 1:
+        return obj
+    import torch.distributed as dist
+
+    box = [obj if rank == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def shard(items: Sequence[Any], rank: int, world: int) -> list[Any]:
+    """Round-robin share of ``items`` for ``rank`` (``items[rank::world]``)."""
+    if not (0 <= rank < world):
+        raise ValueError(f"rank {rank} outside world of size {world}")
+    return list(items[rank::world])
+
+
+def finish() -> None:
+    """Leave the process group, if one was joined."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
