@@ -30,3 +30,14 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+def pytest_collection_modifyitems(config, items):
+    """``@pytest.mark.cuda`` tests run wherever a CUDA device is present and are skipped,
+    with the reason, where none is (this machine, CI)."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device (none present)")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)
