@@ -94,6 +94,15 @@ def _rot_back_matrix(G: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layo
     return apply_rope(Y.transpose(-1, -2), c, s, layout).transpose(-1, -2)  # R^T G R
 
 
+def gram(c: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """``G_i = sum_j c_ij k~_j^T k~_j`` for ``c (G, Qc, n)``, ``k (n, d)``: one GEMM of the
+    coefficient rows with ``vec(k~_j^T k~_j)`` (``n x d^2``), ``(G, Qc, d, d)``."""
+    G_, Qc, n = c.shape
+    d = k.shape[-1]
+    kk = (k[:, :, None] * k[:, None, :]).reshape(n, d * d)
+    return (c.reshape(G_ * Qc, n) @ kk).view(G_, Qc, d, d)
+
+
 def evaluate_layer(spec: HeadSpec, weights: HeadWeights, x: torch.Tensor, positions: torch.Tensor,
                    native: torch.Tensor, *, layer: int = 0, lp_dtype: torch.dtype = torch.float32,
                    anchor_every: int = 64, max_bytes: int = scale.DEFAULT_MAX_BYTES,
@@ -203,8 +212,7 @@ def _pass_original(ch, L64, arr, nat, vscale, sc, Ah, anchors, anchor_every, T_a
     arr["sink"][h0:h1, qi] = p[..., 0]
     # gradient step: G_i = sum_j c_ij k~_j^T k~_j, query and input space as d x d problems
     g = L64.group_of(hs[0])
-    k = L64.k[g, :n]  # (n, d)
-    Gm = (c[..., None] * k).transpose(-1, -2) @ k  # (G, Qc, d, d)
+    Gm = gram(c, L64.k[g, :n])  # (G, Qc, d, d)
     s2 = (sc[hs] ** 2)[:, None]  # (G, 1)
     arr["lam_query"][h0:h1, qi] = s2 * torch.linalg.eigvalsh(Gm)[..., -1]
     tt = torch.einsum("gqdr,gqer->gqde", t, t)  # T T^T, for tr(T^T G T) = <G, T T^T>
@@ -566,8 +574,7 @@ def _final_query_only(spec, w, cap, L, cfg, timers) -> LayerResult:
                            queries=[n - 1], outputs=("c",), max_bytes=cfg.max_bytes):
         hs = ch.heads
         c, t = ch.extra["c"], ch.t  # (G, 1, n), (G, 1, d, r)
-        k = Lq.k[Lq.group_of(hs[0]), :c.shape[-1]]
-        Gm = (c[..., None] * k).transpose(-1, -2) @ k
+        Gm = gram(c, Lq.k[Lq.group_of(hs[0]), :c.shape[-1]])
         s2 = torch.tensor([spec.score_scale(h) ** 2 for h in hs], dtype=torch.float64,
                           device=Gm.device)[:, None]
         lam = s2 * torch.linalg.eigvalsh(Gm)[..., -1]
