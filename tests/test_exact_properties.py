@@ -1,4 +1,4 @@
-"""The identities of MATH.md at 60 digits, on hypothesis-generated heads (issue 2).
+"""The identities of docs/math.md at 60 digits, on hypothesis-generated heads (issue 2).
 
 Each property is evaluated by the exact layer (mpmath) and must hold to <= 1e-50 relative to
 the scale of the quantities involved: 60 working digits minus at most 10 lost to the sums

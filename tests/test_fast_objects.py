@@ -1,4 +1,4 @@
-"""The remaining objects of MATH.md in the fast layer, each against the exact oracle:
+"""The remaining objects of docs/math.md in the fast layer, each against the exact oracle:
 gradient-step diagnostics, frozen reuse, the prefix/full relation, RoPE matrices and finite
 differences, chunking and tables, and the no-global-readout witness."""
 from __future__ import annotations

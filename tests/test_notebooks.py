@@ -37,7 +37,7 @@ ids = [p.stem for p in NOTEBOOKS]
 
 
 def test_every_source_has_a_notebook():
-    """One notebook per source and no orphans; at least the eight results of MATH.md."""
+    """One notebook per source and no orphans; at least the eight results of docs/math.md."""
     sources = {s.stem for s in build.sources()}
     assert sources == {p.stem for p in NOTEBOOKS}, "run: python proofs/build.py"
     assert len(sources) >= 8

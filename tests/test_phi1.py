@@ -104,7 +104,7 @@ def test_exp_dd_float64(a, b):
 
 
 def test_naive_phi1_loses_digits_near_zero():
-    """Why expm1: (e^s - 1)/s loses about |log10 s| digits (MATH.md section 2)."""
+    """Why expm1: (e^s - 1)/s loses about |log10 s| digits (docs/math.md section 2)."""
     s = torch.tensor([1e-12, 1e-9, 1e-6], dtype=torch.float64)
     naive = torch.exp(s).sub(1) / s
     good = fast.phi1(s)

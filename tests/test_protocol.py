@@ -214,6 +214,7 @@ def test_cli_tiny_end_to_end(tiny_run):
     assert r["model"]["model_type"] == "qwen2" and r["model"]["qkv_bias"] is True
     assert r["model"]["weights_sha256"]  # local directory: weights hashed
     assert r["protocol"]["paper_setup"] is False and r["paper"] is None
+    assert r["verdict"] == {"pass": True, "failed_checks": 0, "failures": []}
     assert len(r["contexts"]) == 3
     for ctx in r["contexts"]:
         assert len(ctx["candidates"]) == 4 and ctx["candidates"][0] == ctx["observed"]
@@ -236,11 +237,15 @@ def test_cli_tiny_end_to_end(tiny_run):
         assert lr["calibration"]["checks"]["tokenwise_max_rel"] <= 1e-12
         assert lr["calibration"]["checks"]["bound_violations"] == 0
         assert lr["calibration"]["checks"]["frozen_crosscheck_max_abs"] <= 1e-12
+        for pc in lr["calibration"]["checks"]["per_context"]:  # the verdict's per-context data
+            assert pc["refresh_identity_pass"] and pc["frozen_crosscheck_pass"]
+            assert len(pc["tokenwise_rel"]) == len(pc["heads"]) == 7
         assert len(lr["descent"]["per_head"]) == 7
         assert set(lr["fast"]) == {"float32/original", "float32/maxkey", "bfloat16/original",
                                    "bfloat16/maxkey"}
     md = (out / "report.md").read_text()
     assert "Frozen anchor matrix" in md and "Constant anchor output" in md
+    assert "## Verdict: PASS" in md
     assert "paper anchor 0" not in md
 
 
@@ -325,12 +330,14 @@ def test_native_check_has_teeth(tiny_dir):
     assert not any(r["pass_native"] for r in lc.rows)
     assert all(r["pass_identity"] for r in lc.rows)  # the identity holds for any input
     # a wrong mean (not the uniform one) breaks the identity itself
-    orig = fast.uniform_mean
+    from ropestep import kernel  # fast.step computes its mean in the shared kernel
+
+    orig = kernel.uniform_mean
     try:
-        fast.uniform_mean = lambda v, mk: orig(v, mk) * 1.001
+        kernel.uniform_mean = lambda v, mk: orig(v, mk) * 1.001
         lc = protocol.evaluate_layer(spec, w, cap, 1, "float32")
     finally:
-        fast.uniform_mean = orig
+        kernel.uniform_mean = orig
     assert not any(r["pass_identity"] for r in lc.rows)
 
 

@@ -174,3 +174,27 @@ def test_shape_errors():
         rs.anchor_mse(np.zeros((3, 2)), np.zeros((3, 2)), 3)
     with pytest.raises(ValueError):
         rs.reuse_table({"frozen": np.ones((1, 1))}, np.ones((1, 1)))
+
+
+def test_nonfinite_values_propagate():
+    """A NaN or inf error reaches every pooled number: never None, 0 or dropped."""
+    nan, inf = math.nan, math.inf
+    assert math.isnan(rs.ratio_root(nan, 1.0)) and math.isnan(rs.ratio_root(1.0, nan))
+    assert rs.ratio_root(inf, 1.0) == inf and rs.ratio_root(1.0, 0.0) is None  # undefined ratio
+    assert math.isnan(rs.ratio_root(inf, inf)) and rs.ratio_root(4.0, 1.0) == 2.0
+    s = rs.summarize([1.0, nan, 3.0])
+    assert s["n"] == 3 and s["nonfinite"] == 1 and math.isnan(s["max"]) and math.isnan(s["median"])
+    s = rs.summarize([1.0, inf])
+    assert s["max"] == inf and s["min"] == 1.0 and s["nonfinite"] == 1
+    assert rs.summarize([1.0, 2.0])["nonfinite"] == 0
+    assert math.isnan(rs.spearman([1.0, 2.0, nan, 4.0], [1.0, 2.0, 3.0, 4.0]))
+    assert rs.spearman([1.0, 2.0, inf], [1.0, 2.0, 3.0]) == pytest.approx(1.0)  # ranked
+    gamma, _, _ = rs.best_gain(np.ones((2, 2)), np.array([[1.0, nan], [0.0, 1.0]]))
+    assert math.isnan(gamma)
+    tab = rs.reuse_table({"constant": np.array([[1.0, 1.0]]), "frozen": np.array([[nan, 1.0]])},
+                         np.ones((1, 2)))
+    fz = tab["predictors"]["frozen"]
+    assert math.isnan(fz["mse"]["anchor0"]) and math.isnan(fz["rrmse"]["anchor0"])
+    assert math.isnan(fz["mse"]["all"])  # the anchor average keeps it too
+    assert math.isnan(rs.max_abs([1.0, nan], [0.0, 0.0])) and math.isnan(rs.mse([nan], [0.0]))
+    assert not rs.allclose_report([nan], [nan], 1.0, 1.0)

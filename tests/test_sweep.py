@@ -57,6 +57,8 @@ def test_torchrun_two_ranks_gloo_same_report(tmp_path):
         [(c, l) for c in range(3) for l in range(3)]
     assert sweep.same_report(one, two)  # identical numbers, sorted by item
     assert one["max_rel"] <= 1e-12 and len(one["items"][0]["heads"]["max_rel"]) == 4
+    assert one["pass"] and two["pass"] and one["failures"] == []  # the verdict is in the report
+    assert all(it["pass"] and it["tol_identity"] == 1e-12 for it in one["items"])
 
 
 @pytest.mark.model
@@ -90,3 +92,4 @@ def test_model_sweep_with_device_map(tmp_path):
     for it in one["items"]:
         # the recomputed softmax output is the model's own (float32 forward), the identity exact
         assert it["y_vs_model_rel"] <= 1e-5 and it["max_rel"] <= 1e-12
+        assert it["pass"] and it["y_vs_model_rel"] <= it["tol_native"]

@@ -158,7 +158,7 @@ def test_rho_bridge_mpmath_and_exact():
 def test_rho_bridge_float64_fast():
     """numpy/torch lambdify of rho and exp_dd in float64 against mpmath and against fast.phi1 /
     fast.exp_dd.  The naive (e^s - 1)/s is compared only for |s| >= 0.1 (it loses ~|log10 s|
-    digits near 0, MATH.md section 2); fast.* on the full range."""
+    digits near 0, docs/math.md section 2); fast.* on the full range."""
     from ropestep import exact, fast
 
     s, a, b = sp.symbols("s a b", real=True)

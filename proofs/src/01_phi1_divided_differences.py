@@ -6,7 +6,7 @@
 # $$\rho(s) \;=\; \varphi_1(s) \;=\; \exp[0, s] \;=\; \frac{e^{s}-1}{s} \;=\; \int_0^1 e^{ts}\,dt,
 # \qquad \rho(0) = 1 .$$
 #
-# **Claims** (MATH.md §2).
+# **Claims** (docs/math.md §2).
 # 1. The three expressions agree, the singularity at $0$ is removable with $\rho(0)=1$, and
 #    $\rho(s) = \sum_{k\ge 0} s^k/(k+1)!$.
 # 2. $e^{s}-1 = s\,\rho(s)$ — the step that turns the softmax into a gradient step.

@@ -1,7 +1,7 @@
 # %% [markdown]
 # # 02 · The identity $y_i = \mu_i + u_i^\top \Delta M_i$
 #
-# **Setting** (MATH.md §1).  One head, one query $i$ with permitted keys $I_i$,
+# **Setting** (docs/math.md §1).  One head, one query $i$ with permitted keys $I_i$,
 # $N_i = |I_i| \ge 1$.  The query's augmented input is $u_i = [x_i; 1] \in \mathbb R^{m+1}$;
 # biases sit in the last row of $\hat W_q = [W_q; b_q^\top]$.  With RoPE rotations
 # $R(p) = e^{pA}$, $\tau = \sqrt d$ and $L_i = \hat W_q R(p_i)^\top/\tau$, the score is

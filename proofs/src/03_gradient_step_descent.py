@@ -6,7 +6,7 @@
 #
 # $$E_i(B) = \tfrac12\sum_{j} c_{ij}\,\bigl\|a_{ij}^\top B - (v_j-\mu_i)^\top\bigr\|^2 .$$
 #
-# **Claim 1** (MATH.md §3). $\nabla E_i(B) = \sum_j c_{ij}a_{ij}(a_{ij}^\top B - (v_j-\mu_i)^\top)$,
+# **Claim 1** (docs/math.md §3). $\nabla E_i(B) = \sum_j c_{ij}a_{ij}(a_{ij}^\top B - (v_j-\mu_i)^\top)$,
 # so $\nabla E_i(0) = -\Delta M_i$ and $\Delta M_i = 0 - 1\cdot\nabla E_i(0)$: the head output is
 # the readout of one unit gradient step from $B=0$.
 #

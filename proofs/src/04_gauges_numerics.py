@@ -1,7 +1,7 @@
 # %% [markdown]
 # # 04 · Gauges: many matrices, one readout — and which one to compute in
 #
-# **Claim** (MATH.md §4).  Fix any $g \in \mathbb R^{m+1}$ and put $\sigma_i = u_i^\top g$.  With
+# **Claim** (docs/math.md §4).  Fix any $g \in \mathbb R^{m+1}$ and put $\sigma_i = u_i^\top g$.  With
 #
 # $$c^g_{ij} = \frac{e^{\sigma_i}\rho(s_{ij}-\sigma_i)}{Z_i}, \qquad
 # \Delta M^g_i = \sum_j c^g_{ij}\,(a_{ij}-g)(v_j-\mu_i)^\top ,$$

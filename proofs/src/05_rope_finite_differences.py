@@ -4,7 +4,7 @@
 # RoPE rotates a vector $z_0$ to position $p$ by $z(p) = R(p)z_0$, $R(p) = e^{pA}$, with the
 # block-diagonal generator $A = \operatorname{diag}_\ell\,\omega_\ell J_2$,
 # $J_2 = \left(\begin{smallmatrix}0&-1\\ 1&0\end{smallmatrix}\right)$, $\omega_\ell = \text{base}^{-2\ell/d}$
-# (MATH.md §1, §5).
+# (docs/math.md §1, §5).
 #
 # **Claims.**
 # 1. $\partial_p^n z(p) = A^n z(p)$, $R(p)^\top R(p) = I$ and $R(p_i)^\top R(p_j) = R(p_j-p_i)$.

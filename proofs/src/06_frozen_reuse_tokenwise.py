@@ -1,7 +1,7 @@
 # %% [markdown]
 # # 06 · Frozen reuse: the exact tokenwise error, the refresh, and prefix vs full bank
 #
-# **Setting** (MATH.md §6).  A fixed bank of keys and values, read by several queries that sit at
+# **Setting** (docs/math.md §6).  A fixed bank of keys and values, read by several queries that sit at
 # the *same* position.  Then $L_i = L$ and the features $a_j = L\tilde k_j^\top$ and the mean $\mu$
 # are shared by all queries; only $u_i$ and the coefficients $c_{ij} = \rho(u_i^\top a_j)/Z_i$
 # change.  Reusing the anchor's matrix, $y^{\rm fr}_i = \mu + u_i^\top\Delta M_0$, is in error by

@@ -4,7 +4,7 @@
 # The identity $y_i = \mu_i + u_i^\top\Delta M_i$ is exact *per query*: $\Delta M_i$ depends on $u_i$
 # through the coefficients $c_{ij}$.  Could one fixed matrix serve every query?
 #
-# **Theorem** (MATH.md §7).  Fix a finite bank (features $a_j$, values $v_j$, mean $\mu$) and let
+# **Theorem** (docs/math.md §7).  Fix a finite bank (features $a_j$, values $v_j$, mean $\mu$) and let
 # $y(u)$ be the head output for the query $u = [x;1]$.  If $y$ is not constant in $x$, there is no
 # $M \in \mathbb R^{(m+1)\times r}$ with $y(u) = \mu + u^\top M$ for all $x \in \mathbb R^m$.
 #

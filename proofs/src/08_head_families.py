@@ -3,7 +3,7 @@
 #
 # The proof of notebook 02 uses only three facts: the output is a softmax-weighted mean of the
 # values, the centred values sum to zero, and the score is $u^\top a_j$.  Each family below keeps
-# the first two and changes the third in a way the identity absorbs (MATH.md §8).
+# the first two and changes the third in a way the identity absorbs (docs/math.md §8).
 #
 # * **ALiBi** (additive biases $\beta_{ij}$): $s_{ij} = u_i^\top a_{ij}$ with $\beta_{ij}$ added to
 #   the augmented coordinate of $a_{ij}$ (the one multiplied by $u_{m+1} = 1$).  Nothing else changes.

@@ -818,6 +818,7 @@ def main_args(args, argv: Sequence[str]) -> int:
                       layers=args.layers, dtype=args.dtype, device=args.device, seed=args.seed,
                       anchor_every=args.anchor_every, max_bytes=args.max_bytes,
                       replication_only=args.replication)
+    synced = False
     try:
         rank, world, _ = init_distributed(None, "cpu" if args.device == "cpu" else args.device)
         try:
@@ -831,10 +832,11 @@ def main_args(args, argv: Sequence[str]) -> int:
             write_report(result, out, figures=not args.no_figures)
             code = 0 if result["verdict"]["passed"] else 1
         code = broadcast_from_rank0(code, rank, world)
+        synced = True
         if rank != 0:
             return code
     finally:
-        finish()
+        finish(barrier=synced)
     if not args.quiet:
         rep = result["replication_style_descent"]
         for L, r in rep["per_layer"].items():
@@ -861,7 +863,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     import argparse
 
     argv = list(sys.argv[1:] if argv is None else argv)
-    p = argparse.ArgumentParser(prog="ropestep atlas", description=(__doc__ or "").split("\n")[0])
+    from .verdict import OneLineParser
+
+    p = OneLineParser(prog="ropestep atlas", description=(__doc__ or "").split("\n")[0])
     add_arguments(p)
     try:
         args = p.parse_args(argv)

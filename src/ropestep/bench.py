@@ -36,6 +36,16 @@ sized.  ``--budget-sizes`` adds configurations that run the factored path alone 
 
 The JSON records the command, versions, hardware, seeds, dtype, threads and load average.
 ``--render`` turns JSON files into the Markdown tables of ``benchmarks/README.md``.
+
+Verdict (:func:`checks`, the JSON's ``verdict``): every agreement the benchmark measures -- the
+factored identity ``y`` vs ``mu + q T + b``, ``Delta M`` factored vs direct, the direct path's
+identity, SDPA vs the direct ``y``, low-rank vs exact pairwise (``T``, readout, both identities)
+and every row of the spread sweep -- must be finite and within
+:func:`ropestep.tolerances.agreement_rel_tol` for its dtype and sizes.  Exit status: 0 when all
+hold; 1 when one does not (one ``FAIL`` line per failed check on stderr; the JSON is still
+written) or a worker crashed; 2 on bad input (one line on stderr).  ``--render`` re-derives the
+verdict from the JSON it renders and exits the same way.  The peak-memory figures are
+measurements, not checks (``under_budget`` is reported, not judged).
 """
 from __future__ import annotations
 
@@ -51,7 +61,15 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
+from .verdict import (EXIT_FAIL, EXIT_INPUT, EXIT_PASS, Failure, least, loads, num,
+                      print_failures, worst)
+
 SCHEMA = "ropestep.bench/1"
+PROG = "python -m ropestep.bench"
+
+
+class BenchInputError(ValueError):
+    """Bad input to the benchmark (sizes, budget, heads, files): one line, exit status 2."""
 QWEN_SHAPE = dict(hidden=896, n_heads=14, n_kv_heads=2, head_dim=64, rope_theta=1e6)
 # weight scales as the tiny-Qwen test fixture: scores of order 1-10, non-zero biases
 QK_STD, V_STD, QK_BIAS_STD, V_BIAS_STD = 0.08, 0.05, 0.5, 0.1
@@ -105,7 +123,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "bench", help="benchmark the batched all-query identity (JSON + Markdown)",
         description=(__doc__ or "").split("\n\n")[0])
     add_arguments(sp)
-    sp.set_defaults(func=run, _handler=lambda args, argv=None: run(args))
+    sp.set_defaults(func=run, _handler=lambda args, argv=None: run(args, prog="ropestep bench"))
     return sp
 
 
@@ -301,7 +319,11 @@ def measure(cfg: dict) -> dict:
     # measurement starts, so the benchmark's own bookkeeping is not in the measured peak
     captured = {i: torch.full((H, m + 1, r), math.nan, dtype=torch.float64) for i in sample}
 
+    nonfinite = [False]  # a NaN/inf in y or the readout (kept whatever the streamed maxima do)
+
     def grab(ch: Any) -> None:
+        if not nonfinite[0] and not bool(torch.isfinite(ch.y_c - ch.readout_c).all()):
+            nonfinite[0] = True
         if ch.delta_m is None:
             return
         for a, qi in enumerate(ch.queries.tolist()):
@@ -328,7 +350,8 @@ def measure(cfg: dict) -> dict:
         "gflops_per_s": fl / (t2 - t1) / 1e9,
         "delta_m_seconds": tdm, "t_only_seconds": t2 - t1 - tdm, "t_only_flops": fl_t,
         "t_only_gflops_per_s": fl_t / max(t2 - t1 - tdm, 1e-12) / 1e9,
-        "identity_max_rel": float(max(res.max_rel)), "identity_max_abs": float(max(res.max_abs)),
+        "identity_max_rel": math.nan if nonfinite[0] else worst(res.max_rel),
+        "identity_max_abs": math.nan if nonfinite[0] else worst(res.max_abs),
         "identity_per_head_max_rel": [float(v) for v in res.max_rel],
         "plan": {"query_chunk": pl.query_chunk, "key_block": pl.key_block,
                  "planned_bytes": pl.bytes, "fixed_bytes": pl.fixed_bytes,
@@ -375,14 +398,14 @@ def measure(cfg: dict) -> dict:
         "queries": sample, "seconds_per_query": times, "mean_seconds_per_query": per_q,
         "extrapolated_seconds": per_q * N, "flops": fd,
         "gflops_per_s": sum(scale.flops_direct(spec, i + 1, m) for i in sample) / sum(times) / 1e9,
-        "delta_m_rel_vs_factored": max(errs), "identity_max_rel": max(rerr),
+        "delta_m_rel_vs_factored": worst(errs), "identity_max_rel": worst(rerr),
     }
-    out["sdpa"]["y_rel_vs_direct"] = max(sdpa_vs_direct)
+    out["sdpa"]["y_rel_vs_direct"] = worst(sdpa_vs_direct)
     out["speedup_factored_vs_direct"] = per_q * N / out["factored"]["seconds"]
     out["speedup_t_only_vs_direct"] = per_q * N / out["factored"]["t_only_seconds"]
     say(f"direct {per_q:.3f} s/query -> {per_q * N:.1f} s; speedup "
         f"{out['speedup_factored_vs_direct']:.1f}x (T only {out['speedup_t_only_vs_direct']:.1f}x),"
-        f" dM rel {max(errs):.1e}")
+        f" dM rel {num(worst(errs), '.1e')}")
 
     # 4. plain matmul of the main GEMM's shape
     rows = min(pl.query_chunk, N) * spec.group
@@ -405,14 +428,15 @@ def measure(cfg: dict) -> dict:
             heads=heads, layer=layer), dev, min_total=0.5, max_reps=3)
         ps = stratified(N, int(cfg.get("pairwise_queries", 4)))
         kw = dict(dtype=dt, device=dev, max_bytes=budget, heads=heads, queries=ps, layer=layer)
-        te, ex = _timed(lambda: lowrank.pairwise_layer(spec, w, x, method="exact", **kw), dev,
+        te, ex = _timed(lambda: scale.pairwise_layer(spec, w, x, method="exact", **kw), dev,
                         min_total=0.5, max_reps=3)
-        tls, lo = _timed(lambda: lowrank.pairwise_layer(spec, w, x, method="lowrank", **kw), dev,
+        tls, lo = _timed(lambda: scale.pairwise_layer(spec, w, x, method="lowrank", **kw), dev,
                          min_total=0.5, max_reps=3)
         sq = sum((i + 1) ** 2 for i in ps)
         out["pairwise"] = {
             "heads": heads, "lowrank_all_seconds": tl, "lowrank_nodes_max": rl.extras.get("nodes_max"),
-            "lowrank_identity_max_rel": float(max(v for v in rl.max_rel if v == v)),
+            # only the timed heads were computed (the others are NaN by construction)
+            "lowrank_identity_max_rel": worst(rl.max_rel[list(heads)]),
             "sample_queries": ps, "exact_sample_seconds": te, "lowrank_sample_seconds": tls,
             "exact_extrapolated_all_seconds": te * sum((i + 1) ** 2 for i in range(N)) / sq,
             "t_rel_lowrank_vs_exact": _rel(lo["t"][heads], ex["t"][heads]),
@@ -444,7 +468,7 @@ def warm_up(dt: Any, dev: Any) -> None:
     scale.identity_check(spec, w, x, dtype=dt, device=dev, delta_m=True, layer=L)
     scale.direct_query(L, 79)
     for method in ("lowrank", "exact"):
-        lowrank.pairwise_layer(spec, w, x, method=method, dtype=dt, device=dev, heads=[0],
+        scale.pairwise_layer(spec, w, x, method=method, dtype=dt, device=dev, heads=[0],
                                queries=[40, 79], layer=L)
     F.scaled_dot_product_attention(L.q[None], L.k[[0] * spec.n_heads][None],
                                    L.v[[0] * spec.n_heads][None], is_causal=True)
@@ -475,10 +499,10 @@ def spread_sweep(cfg: dict, dt: Any, dev: Any, budget: int) -> list[dict]:
     for target in cfg["spreads"]:
         spec, w, x = qwen_layer(N, seed, q_scale=target / base)
         kw = dict(dtype=dt, device=dev, max_bytes=budget, heads=[0], queries=qs)
-        ex = lowrank.pairwise_layer(spec, w, x.to(dt), method="exact", **kw)
+        ex = scale.pairwise_layer(spec, w, x.to(dt), method="exact", **kw)
         lr_ = scale.identity_check(spec, w, x.to(dt), gauge="pairwise", **kw)
-        lo_ = lowrank.pairwise_layer(spec, w, x.to(dt), method="lowrank", **kw)
-        rows.append({"target_spread": target, "nodes": lr_.extras.get("nodes_max"),
+        lo_ = scale.pairwise_layer(spec, w, x.to(dt), method="lowrank", **kw)
+        rows.append({"target_spread": target, "n": N, "nodes": lr_.extras.get("nodes_max"),
                      "t_rel_lowrank_vs_exact": _rel(lo_["t"][[0]], ex["t"][[0]]),
                      "readout_rel_lowrank_vs_exact": _rel(lo_["readout"][[0]], ex["readout"][[0]]),
                      "lowrank_identity_max_rel": float(lr_.max_rel[0])})
@@ -521,7 +545,7 @@ def summarise(results: list[dict]) -> dict:
         s["delta_m_rel_vs_direct_at_1024"] = at[1024]["direct"]["delta_m_rel_vs_factored"]
     big = [r for r in full if r["n"] >= 1024]
     if big:
-        s["throughput_ratio_min_n_ge_1024"] = min(r["throughput_ratio"] for r in big)
+        s["throughput_ratio_min_n_ge_1024"] = least(r["throughput_ratio"] for r in big)
         s["throughput_ratio_by_n"] = {str(r["n"]): r["throughput_ratio"] for r in big}
         s["throughput_ratio_t_only_by_n"] = {str(r["n"]): r["throughput_ratio_t_only"]
                                              for r in big}
@@ -533,9 +557,9 @@ def summarise(results: list[dict]) -> dict:
     for r in full:
         if "spreads" in r:
             pr += [x["t_rel_lowrank_vs_exact"] for x in r["spreads"]]
-            s["spread_sweep_max_t_rel"] = max(x["t_rel_lowrank_vs_exact"] for x in r["spreads"])
+            s["spread_sweep_max_t_rel"] = worst(x["t_rel_lowrank_vs_exact"] for x in r["spreads"])
     if pr:
-        s["pairwise_t_rel_max"] = max(pr)
+        s["pairwise_t_rel_max"] = worst(pr)
     bud = [r for r in results if "direct" not in r]
     if bud:
         s["budget_runs"] = [{"n": r["n"], "max_bytes": r["factored"]["max_bytes"],
@@ -544,35 +568,172 @@ def summarise(results: list[dict]) -> dict:
     return s
 
 
-def run(args: argparse.Namespace) -> int:
-    """Run the benchmark (or ``--render``); returns the exit status."""
+# ---------------------------------------------------------------------------------------------
+# the verdict
+# ---------------------------------------------------------------------------------------------
+# (section, key, hidden): hidden = m when one side forms its terms in the augmented input space
+# (the direct path), 0 when both sides share the projected q, k, v
+CHECKS = (
+    ("factored", "identity_max_rel", 0),
+    ("direct", "delta_m_rel_vs_factored", QWEN_SHAPE["hidden"]),
+    ("direct", "identity_max_rel", QWEN_SHAPE["hidden"]),
+    ("sdpa", "y_rel_vs_direct", QWEN_SHAPE["hidden"]),
+    ("pairwise", "lowrank_identity_max_rel", 0),
+    ("pairwise", "t_rel_lowrank_vs_exact", 0),
+    ("pairwise", "readout_rel_lowrank_vs_exact", 0),
+    ("pairwise", "exact_identity_max_rel", 0),
+)
+SPREAD_CHECKS = ("t_rel_lowrank_vs_exact", "readout_rel_lowrank_vs_exact",
+                 "lowrank_identity_max_rel")
+
+
+def tolerance(dtype: str, n: int, hidden: int) -> float:
+    """:func:`ropestep.tolerances.agreement_rel_tol` for the benchmark layer's head dim."""
+    from . import tolerances
+
+    return tolerances.agreement_rel_tol(_dtype(dtype), n, QWEN_SHAPE["head_dim"], hidden)
+
+
+def _value(x: Any) -> float:
+    """A measured number from a result (None = missing: NaN, i.e. a failure)."""
+    if x is None:
+        return math.nan
+    return float(x)  # also parses the JSON spellings "nan"/"inf"
+
+
+def checks(results: list[dict], spread_n: int | None = None) -> list[dict]:
+    """Every agreement check of the results: ``{"n", "dtype", "check", "value", "tol", "pass"}``.
+
+    ``pass`` is ``value <= tol`` (False for NaN and inf); a section that ran but lacks a value
+    counts as NaN."""
+    out = []
+    for r in results:
+        dt, n = r["dtype"], int(r["n"])
+        for sec, key, hidden in CHECKS:
+            if sec not in r:
+                continue
+            v, tol = _value(r[sec].get(key)), tolerance(dt, n, hidden)
+            out.append({"n": n, "dtype": dt, "check": f"{sec}.{key}", "value": v, "tol": tol,
+                        "pass": v <= tol})
+        for row in r.get("spreads") or []:
+            sn = int(row.get("n") or spread_n or n)
+            tol = tolerance(dt, sn, 0)
+            for key in SPREAD_CHECKS:
+                v = _value(row.get(key))
+                name = f"spreads[{row['target_spread']:g}].{key}"
+                out.append({"n": sn, "dtype": dt, "check": name, "value": v, "tol": tol,
+                            "pass": v <= tol})
+    return out
+
+
+def failures(results: list[dict], spread_n: int | None = None) -> list[Failure]:
+    """The failed :func:`checks`, as failure lines (``dtype N=n``, the check, value, tolerance)."""
+    return [Failure(f"{c['dtype']} N={c['n']}", c["check"], c["value"], c["tol"])
+            for c in checks(results, spread_n) if not c["pass"]]
+
+
+def verdict_block(results: list[dict], spread_n: int | None = None) -> dict:
+    cs = checks(results, spread_n)
+    fl = failures(results, spread_n)
+    return {"pass": not fl, "checks": len(cs), "failed_checks": len(fl),
+            "failures": [f.as_dict() for f in fl]}
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """Bad input raises :class:`BenchInputError` (before any worker starts)."""
     if getattr(args, "render", None):
-        reps = [json.loads(Path(p).read_text()) for p in args.render]
-        for rep in reps:  # the summary is derived data: recompute it from the results
-            rep["summary"] = summarise(rep["results"])
-        md = render_markdown(reps)
-        if args.markdown:
-            args.markdown.parent.mkdir(parents=True, exist_ok=True)
-            args.markdown.write_text(md)
-        else:
-            print(md)
-        return 0
+        for p in args.render:
+            if not Path(p).is_file():
+                raise BenchInputError(f"--render {str(p)!r} does not exist")
+        return
+    H = QWEN_SHAPE["n_heads"]
+    for name, vals, lo in (("--sizes", args.sizes, 2), ("--budget-sizes", args.budget_sizes, 2)):
+        bad = [v for v in vals if v < lo]
+        if bad:
+            raise BenchInputError(f"{name} must all be >= {lo}, got {bad[0]}")
+    if not args.sizes:
+        raise BenchInputError("--sizes needs at least one context length")
+    for name, v in (("--direct-queries", args.direct_queries),
+                    ("--pairwise-queries", args.pairwise_queries), ("--spread-n", args.spread_n)):
+        if v < (2 if name == "--spread-n" else 1):
+            raise BenchInputError(f"{name} must be >= {2 if name == '--spread-n' else 1}, got {v}")
+    bad = [h for h in args.pairwise_heads if not 0 <= h < H]
+    if bad:
+        raise BenchInputError(f"--pairwise-heads: head {bad[0]} out of range (the layer has {H} "
+                              f"heads: 0..{H - 1})")
+    bad = [x for x in args.spreads if not (x > 0 and math.isfinite(x))]
+    if bad:
+        raise BenchInputError(f"--spreads must be finite and > 0, got {bad[0]}")
+    if args.max_bytes < 1:
+        raise BenchInputError(f"--max-bytes must be > 0, got {args.max_bytes}")
+    if args.threads is not None and args.threads < 1:
+        raise BenchInputError(f"--threads must be >= 1, got {args.threads}")
+    dev = str(args.device)
+    if not (dev == "cpu" or dev == "cuda" or (dev.startswith("cuda:") and dev[5:].isdigit())):
+        raise BenchInputError(f"--device must be 'cpu' or 'cuda[:N]', got {dev!r}")
     import torch
 
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        print("ropestep bench: --device cuda requested but CUDA is not available", file=sys.stderr)
-        return 2
+    if dev.startswith("cuda") and not torch.cuda.is_available():
+        raise BenchInputError("--device cuda requested but CUDA is not available")
+    if args.out is not None and Path(args.out).is_dir():
+        raise BenchInputError(f"--out {str(args.out)!r} is a directory")
+
+
+def _error(prog: str, msg: str, code: int) -> int:
+    sys.stderr.write(f"{prog}: error: {' '.join(str(msg).split())}\n")
+    return code
+
+
+def _render(args: argparse.Namespace, prog: str) -> int:
+    reps = []
+    for p in args.render:
+        try:
+            rep = loads(Path(p).read_text())  # "nan"/"inf" strings back to floats
+            if rep.get("schema") != SCHEMA or not isinstance(rep.get("results"), list):
+                raise ValueError(f"not a {SCHEMA} result")
+        except (OSError, ValueError, AttributeError) as err:
+            return _error(prog, f"--render {str(p)!r}: {err}", EXIT_INPUT)
+        reps.append(rep)
+    fl = []
+    for rep in reps:  # the summary and the verdict are derived data: recompute them
+        rep["summary"] = summarise(rep["results"])
+        sn = (rep.get("config") or {}).get("spread_n")
+        rep["verdict"] = verdict_block(rep["results"], sn)
+        fl += failures(rep["results"], sn)
+    md = render_markdown(reps)
+    if args.markdown:
+        args.markdown.parent.mkdir(parents=True, exist_ok=True)
+        args.markdown.write_text(md)
+    else:
+        print(md)
+    if fl:
+        print_failures(prog, fl)
+        return EXIT_FAIL
+    return EXIT_PASS
+
+
+def run(args: argparse.Namespace, prog: str = PROG) -> int:
+    """Run the benchmark (or ``--render``); returns the exit status (0 pass, 1 fail, 2 input)."""
+    try:
+        check_args(args)
+    except BenchInputError as err:
+        return _error(prog, str(err), EXIT_INPUT)
+    if getattr(args, "render", None):
+        return _render(args, prog)
     base = dict(device=args.device, seed=args.seed, dtype=args.dtype, threads=args.threads,
                 max_bytes=args.max_bytes, direct_queries=args.direct_queries,
                 pairwise_heads=args.pairwise_heads, pairwise_queries=args.pairwise_queries,
                 spread_n=args.spread_n, log=not args.quiet)
     t0 = time.time()
     results = []
-    for i, n in enumerate(args.sizes):
-        cfg = dict(base, n=n, spreads=args.spreads if i == 0 else [])
-        results.append(_worker(cfg))
-    for n in args.budget_sizes:
-        results.append(_worker(dict(base, n=n, factored_only=True, spreads=[])))
+    try:
+        for i, n in enumerate(args.sizes):
+            cfg = dict(base, n=n, spreads=args.spreads if i == 0 else [])
+            results.append(_worker(cfg))
+        for n in args.budget_sizes:
+            results.append(_worker(dict(base, n=n, factored_only=True, spreads=[])))
+    except RuntimeError as err:  # a worker crashed: its traceback is above, on stderr
+        return _error(prog, str(err), EXIT_FAIL)
     rep = {
         "schema": SCHEMA,
         "command": "ropestep bench " + " ".join(_argv_of(args)),
@@ -587,17 +748,31 @@ def run(args: argparse.Namespace) -> int:
                    "spread_n": args.spread_n},
         "results": results,
         "summary": summarise(results),
+        "verdict": verdict_block(results, args.spread_n),
         "wall_seconds": time.time() - t0,
     }
-    text = json.dumps(rep, indent=1)
+    from .verdict import dumps
+
+    text = dumps(rep, indent=1)
     if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text + "\n")
+        try:
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(text + "\n")
+        except OSError as err:
+            return _error(prog, f"cannot write --out {str(args.out)!r}: {err}", EXIT_INPUT)
         if not args.quiet:
             print(f"wrote {args.out} in {rep['wall_seconds']:.0f} s", file=sys.stderr)
     else:
         print(text)
-    return 0
+    v = rep["verdict"]
+    if not v["pass"]:
+        print_failures(prog, v["failures"])
+        sys.stderr.write(f"{prog}: {v['failed_checks']} of {v['checks']} agreement checks "
+                         "failed\n")
+        return EXIT_FAIL
+    if not args.quiet:
+        print(f"{prog}: all {v['checks']} agreement checks passed", file=sys.stderr)
+    return EXIT_PASS
 
 
 def _argv_of(args: argparse.Namespace) -> list[str]:
@@ -690,6 +865,12 @@ def render_markdown(reports: list[dict]) -> str:
                            f"{'yes' if f['under_budget'] else 'NO'} | "
                            f"{_g(f['identity_max_rel'], '.1e')} |")
             out.append("")
+        v = rep.get("verdict")
+        if v is not None:
+            out.append(f"Verdict: **{'PASS' if v['pass'] else 'FAIL'}** — "
+                       f"{v['checks'] - v['failed_checks']} of {v['checks']} agreement checks "
+                       "within `tolerances.agreement_rel_tol`"
+                       + "".join(f"\n- `{Failure(**f).line()}`" for f in v["failures"]) + "\n")
         s = rep.get("summary", {})
         if s:
             out.append("Summary: " + "; ".join(
@@ -707,10 +888,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         res = measure(json.loads(argv[1]))
         print(json.dumps(res))
         return 0
-    p = argparse.ArgumentParser(prog="python -m ropestep.bench",
-                                description=(__doc__ or "").split("\n\n")[0])
+    from .verdict import OneLineParser
+
+    p = OneLineParser(prog=PROG, description=(__doc__ or "").split("\n\n")[0])
     add_arguments(p)
-    return run(p.parse_args(argv))
+    try:
+        args = p.parse_args(argv)
+    except SystemExit as stop:  # --help (0) or a one-line usage error (2)
+        return int(stop.code or 0)
+    return run(args)
 
 
 if __name__ == "__main__":

@@ -3,9 +3,15 @@
 Subcommands are registered in :data:`COMMANDS` as ``name -> (add_arguments, handler)``; a new
 one needs an ``add_arguments(parser)`` and a ``handler(args) -> int`` and one line there.
 
-Every error caused by the input (unknown model type, layer out of range, prefix too long,
-corpus too short, hub unreachable, bad option) is printed as ONE line on stderr and exits with
-status 2, without a traceback and without creating the report directory.
+Exit status of every command (:mod:`ropestep.verdict`):
+
+* 0 -- every check passed;
+* 1 -- a check failed (outside its tolerance, or a non-finite error: NaN/inf never passes);
+  every failed check is printed on its own line on stderr (``PROG: FAIL where: check = value
+  (tolerance t)``) and the report is still written;
+* 2 -- bad input: every error caused by the input (unknown model type, layer out of range,
+  prefix too long, corpus too short, hub unreachable, bad option, nonexistent path) is printed
+  as ONE line on stderr, without a traceback and without creating the report.
 """
 from __future__ import annotations
 
@@ -14,16 +20,9 @@ import sys
 import time
 from typing import Callable, Sequence
 
-EXIT_INPUT = 2
+from .verdict import EXIT_FAIL, EXIT_INPUT, EXIT_PASS, OneLineParser
 
-
-class _Parser(argparse.ArgumentParser):
-    """argparse with one-line errors (no usage dump) and exit status 2."""
-
-    def error(self, message: str) -> None:  # type: ignore[override]
-        one = " ".join(message.split())
-        sys.stderr.write(f"{self.prog}: error: {one} (see {self.prog} --help)\n")
-        raise SystemExit(EXIT_INPUT)
+_Parser = OneLineParser  # the name the commands used before verdict.py held it
 
 
 def _one_line(prog: str, err: BaseException) -> int:
@@ -103,32 +102,34 @@ def cmd_validate(args: argparse.Namespace, argv: Sequence[str]) -> int:
         result = protocol.run(cfg, progress=not args.quiet, command=["ropestep", *argv])
     except (protocol.ProtocolError, corpus_mod.CorpusError, *load_errors) as err:
         return _one_line(prog, err)
+    except FloatingPointError as err:  # the float64 evaluation met a NaN/inf: a failed check
+        msg = " ".join(str(err).split())
+        sys.stderr.write(f"{prog}: FAIL float64 evaluation: non-finite value [{msg}]; no report "
+                         f"written\n")
+        return EXIT_FAIL
+    from . import verdict as vd
     from .report import write_report
 
+    result["verdict"] = protocol.verdict_block(result)  # from the data the report holds
     try:
         write_report(result, out, figures=not args.no_figures)
     except (FileExistsError, PermissionError) as err:
         return _one_line(prog, err)
     if not args.quiet:
         _summary(result, out, time.perf_counter() - t0)
-    return 0
+    failures = result["verdict"]["failures"]
+    if failures:  # printed even with --quiet: a failure is never silent
+        vd.print_failures(prog, failures)
+        sys.stderr.write(f"{prog}: {len(failures)} check(s) failed; report in {out}\n")
+        return EXIT_FAIL
+    return EXIT_PASS
 
 
 def _quiet_libraries() -> None:
     """Keep library chatter (hub/tokenizer warnings, progress bars) off the terminal."""
-    import os
-    import warnings
+    from .protocol import quiet_libraries
 
-    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    warnings.filterwarnings("ignore", category=UserWarning, module=r"transformers|torch")
-    try:
-        import transformers
-
-        transformers.logging.set_verbosity_error()
-        transformers.logging.disable_progress_bar()
-    except Exception:  # pragma: no cover - transformers missing: the loader will say so
-        pass
+    quiet_libraries()
 
 
 def _summary(result: dict, out, seconds: float) -> None:
@@ -142,6 +143,9 @@ def _summary(result: dict, out, seconds: float) -> None:
               f"{fmt(rec['combined']['native']['mse'])}, max "
               f"{fmt(rec['combined']['native']['max_abs'])}; frozen rRMSE "
               f"{fmt(tab['frozen']['rrmse']['anchor0'])} (anchor 0)")
+    v = result.get("verdict") or {}
+    print(f"verdict: {'PASS' if v.get('pass') else 'FAIL'}"
+          + ("" if v.get("pass") else f" ({v.get('failed_checks')} failed checks)"))
     print(f"wrote {out}/report.json, report.md and figures in {seconds:.0f} s")
 
 
@@ -158,7 +162,31 @@ def _bench_arguments(parser: argparse.ArgumentParser) -> None:
 def cmd_bench(args: argparse.Namespace, argv: Sequence[str]) -> int:
     from . import bench
 
-    return bench.run(args)
+    return bench.run(args, prog="ropestep bench")
+
+
+def _sweep_arguments(parser: argparse.ArgumentParser) -> None:
+    from . import sweep
+
+    sweep.add_arguments(parser)
+
+
+def cmd_sweep(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    from . import sweep
+
+    return sweep.run(args, argv, prog="ropestep sweep")
+
+
+def _atlas_arguments(parser: argparse.ArgumentParser) -> None:
+    from . import atlas
+
+    atlas.add_arguments(parser)
+
+
+def cmd_atlas(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    from . import atlas
+
+    return atlas.main_args(args, argv)
 
 
 COMMANDS: dict[str, tuple[Callable[[argparse.ArgumentParser], None], Handler, str]] = {
@@ -168,17 +196,24 @@ COMMANDS: dict[str, tuple[Callable[[argparse.ArgumentParser], None], Handler, st
     "bench": (_bench_arguments, cmd_bench,
               "benchmark the batched all-query identity against SDPA, the direct per-query "
               "evaluation and plain matmul (JSON + Markdown)"),
+    "atlas": (_atlas_arguments, cmd_atlas,
+              "every layer, head and query of a model against its own output: identity, "
+              "kappa, sink mass, descent in both spaces, frozen reuse (JSON + Markdown + "
+              "figures)"),
+    "sweep": (_sweep_arguments, cmd_sweep,
+              "identity sweep over (context, layer) items of synthetic layers or a model, "
+              "sharded across torchrun processes (JSON report)"),
 }
 
 
 def build_parser() -> argparse.ArgumentParser:
     from . import __version__
 
-    parser = _Parser(prog="ropestep",
+    parser = OneLineParser(prog="ropestep",
                      description="Verification suite for the exact gradient-step form of "
                                  "RoPE-softmax attention (y_i = mu_i + u_i^T dM_i).")
     parser.add_argument("--version", action="version", version=f"ropestep {__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=OneLineParser)
     sub.required = True
     for name, (add_args, handler, helptext) in COMMANDS.items():
         sp = sub.add_parser(name, help=helptext, description=helptext)

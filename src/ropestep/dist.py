@@ -66,9 +66,17 @@ def shard(items: Sequence[Any], rank: int, world: int) -> list[Any]:
     return list(items[rank::world])
 
 
-def finish() -> None:
-    """Leave the process group, if one was joined."""
+def finish(barrier: bool = True) -> None:
+    """Leave the process group, if one was joined.
+
+    ``barrier``: every rank first waits until all are past their collective traffic (pass False
+    when the ranks may not all have reached this point, e.g. after an error on one of them).
+    Without it a rank could tear the group down while another's gloo thread still talks to it
+    ("terminate called without an active exception", measured 4 in 14 two-rank runs).
+    """
     import torch.distributed as dist
 
     if dist.is_initialized():
+        if barrier:
+            dist.barrier()
         dist.destroy_process_group()

@@ -211,7 +211,7 @@ def build(spec: HeadSpec, weights: HeadWeights, x_q: Any, pos_q: Any, x_kv: Any,
     The result is accurate to ``dps`` digits relative to the outputs' scale: the work runs with
     ``GUARD_DPS`` guard digits, plus ``-z_max/ln 10`` more when every score of some query is very
     negative -- then the original gauge's ``1/Z`` multiplies rounding errors by ``e^{-z_max}``
-    (MATH.md section 2), and the oracle pays for it in digits instead of losing them.
+    (docs/math.md section 2), and the oracle pays for it in digits instead of losing them.
     """
     d2p = mp.libmp.dps_to_prec
     E = _build(spec, weights, x_q, pos_q, x_kv, pos_kv, mask, bias, d2p(dps + GUARD_DPS))
@@ -723,7 +723,7 @@ class Witness:
 def readout_witness(spec: HeadSpec, weights: HeadWeights, x_kv: Any, pos_kv: Any, pos_query: int,
                     M: Any, head: int = 0, dps: int = DEFAULT_DPS) -> Witness:
     """Given a head with a finite bank and any ``M`` ((m+1) x r), return a query ``u`` where
-    ``y(u) != mu + u^T M`` and the error there (MATH.md section 7).
+    ``y(u) != mu + u^T M`` and the error there (docs/math.md section 7).
 
     If ``M``'s x-part is non-zero, move ``x`` along its top left singular direction
     until ``||u^T M|| > ||M_last|| + max_j ||v_j - mu|| + 1``: since ``y(u)`` stays in the hull

@@ -1,4 +1,4 @@
-"""The paper's pretrained experiment on any local model and corpus (PAPER_PROTOCOL.md).
+"""The paper's pretrained experiment on any local model and corpus (docs/protocol.md).
 
 For each of ``C`` blocks of ``L`` tokens (:func:`ropestep.corpus.select_blocks`), the prefix is
 the first ``L-1`` tokens and the observed next token the last one.  ``Q`` continuations are
@@ -15,10 +15,15 @@ relation and the full-bank matrix.  Per layer and head this module measures
    forward, plus a full forward over the block for the observed token); the fast path in
    float32 and bfloat16;
 2. frozen reuse: the four-predictor table pooled as the paper does (:mod:`ropestep.reuse_stats`);
-3. calibration (MATH.md section 6) and the descent check (``lambda_max(H)``, unit step).
+3. calibration (docs/math.md section 6) and the descent check (``lambda_max(H)``, unit step).
 
-:func:`run` returns a JSON-ready dict (schema in ``docs/validation.md``); :mod:`ropestep.report`
+:func:`run` returns a JSON-ready dict (schema in ``docs/protocol.md``); :mod:`ropestep.report`
 writes it.  Bad input raises :class:`ProtocolError` (or the loader's/corpus's one-line errors).
+
+The verdict (:func:`verdict`, stored as ``result["verdict"]``) lists every failed check with its
+layer, context and head: a reconstruction row outside its tolerance, any non-finite error
+(NaN/inf is a failure, never a pass, never dropped by a reduction: :mod:`ropestep.verdict`), a
+violated reuse bound, a frozen cross-check or refresh identity outside the float64 tolerance.
 """
 from __future__ import annotations
 
@@ -38,13 +43,14 @@ import torch
 
 from . import __version__, fast
 from . import reuse_stats as rs
+from .verdict import Failure, finite, worst
 from .corpus import Block, CorpusError, load_corpus, select_blocks, sha256_file, tokenizer_fn
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 SMOLLM2_ALIAS = "smollm2"
 
 # Pass criteria of a context/head row.  The float64 and float32-native values are the paper's
-# notebook tolerances (PAPER_PROTOCOL.md, "Reconstruction results"), numpy.allclose form
+# notebook tolerances (docs/protocol.md, "Reconstruction results"), numpy.allclose form
 # (atol, rtol): identity 2e-9 / 2e-8 per head and 3e-9 / 3e-8 for the summed write (the
 # notebook's projected check), native head vs float64 formula 3e-5 / 3e-4.  A bfloat16 model
 # rounds q, k, v, the scores, the probabilities and the output to 8 significant bits (unit
@@ -69,7 +75,7 @@ def native_ok(actual: Any, native: Any, model_dtype: str) -> bool:
     return rs.allclose_report(actual, native, t["atol"], t["rtol"])
 
 
-# The paper's setup and numbers (PAPER_PROTOCOL.md), reported beside ours when it is run.
+# The paper's setup and numbers (docs/protocol.md), reported beside ours when it is run.
 PAPER = {
     "model": "Qwen/Qwen2.5-0.5B",
     "revision": "060db6499f32faf8b98477b0a26969ef7d8b9987",
@@ -88,6 +94,23 @@ PAPER = {
     "descent_replication": {"heads_increasing": "3 of 28", "lam_max_median": 0.51,
                             "lam_max_max": 109.56},
 }
+
+
+def quiet_libraries() -> None:
+    """Keep library chatter (hub/tokenizer warnings, progress bars) off the terminal: stderr
+    carries the commands' errors and failed checks only."""
+    import warnings
+
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    warnings.filterwarnings("ignore", category=UserWarning, module=r"transformers|torch")
+    try:
+        import transformers
+
+        transformers.logging.set_verbosity_error()
+        transformers.logging.disable_progress_bar()
+    except Exception:  # pragma: no cover - transformers missing: the loader will say so
+        pass
 
 
 class ProtocolError(ValueError):
@@ -518,6 +541,9 @@ def evaluate_layer(spec, weights, cap: ContextCapture, layer: int, model_dtype: 
                                   + 1e-12 * float(y[h].abs().max())).sum())
                              for h in range(H)],
         "refresh_identity_max_abs": rs.max_abs(reuse0.frozen + reuse0.tokenwise, y),
+        # both are float64 identities of the same terms as the reconstruction: same tolerance
+        "frozen_crosscheck_pass": rs.allclose_report(frozen_all[0], reuse0.frozen, *ti),
+        "refresh_identity_pass": rs.allclose_report(reuse0.frozen + reuse0.tokenwise, y, *ti),
     }
     calib = {"rel": rel, "rel_combined": rel_c, **dist}
     gain = {"r": _f64(y - mu)[:, 1:], "g": _f64(g)[:, 1:],  # (H, Q-1, r)
@@ -541,8 +567,128 @@ def _mean(xs: Sequence[float]) -> float:
 
 
 def _r6(x: np.ndarray) -> list:
-    """Compact JSON lists: 6 significant digits (figure data, not used for pass/fail)."""
-    return [float(f"{v:.6g}") if np.isfinite(v) else None for v in np.asarray(x, float).ravel()]
+    """Compact JSON lists: 6 significant digits (figure data, not used for pass/fail); a
+    non-finite value stays nan/inf (written as the string "nan"/"inf" in JSON)."""
+    return [float(f"{v:.6g}") for v in np.asarray(x, float).ravel()]
+
+
+# ---------------------------------------------------------------------------------------------
+# the verdict
+# ---------------------------------------------------------------------------------------------
+# the error fields behind each pass flag of a reconstruction row
+ROW_FIELDS = {
+    "identity": (("prefix", "mse"), ("prefix", "max_abs"), ("full", "mse"), ("full", "max_abs")),
+    "native": (("native", "mse"), ("native", "max_abs"),
+               ("native_observed_full_forward", "mse"),
+               ("native_observed_full_forward", "max_abs")),
+}
+# further errors of a row: no tolerance of their own in the paper, but never non-finite
+ROW_SCALARS = ("relation_max_abs", "mean_max_abs", "cache_vs_full_forward_max_abs")
+
+
+def _tol_text(row: dict, check: str, model_dtype: str) -> str:
+    if check == "identity":
+        a, r = TOLERANCES["identity_write" if row["head"] == "combined" else "identity_head"]
+        return f"atol/rtol {a:g}/{r:g}"
+    t = TOLERANCES["native"][model_dtype]
+    return (f"normwise {t['normwise']:g} max|native|" if "normwise" in t
+            else f"atol/rtol {t['atol']:g}/{t['rtol']:g}")
+
+
+def row_failures(row: dict, where: str = "", model_dtype: str = "float32") -> list[Failure]:
+    """Failed checks of one reconstruction row: ``identity`` / ``native`` when the pass flag is
+    False or any of its errors is non-finite, and any non-finite further error."""
+    out = []
+    for check, fields in ROW_FIELDS.items():
+        vals = {f"{a} {b}": row[a][b] for a, b in fields}
+        bad = [k for k, v in vals.items() if not finite(v)]
+        if bad:
+            out.append(Failure(where, check, vals[bad[0]], detail=f"non-finite {bad[0]}"))
+        elif not row[f"pass_{check}"]:
+            mx = {k: v for k, v in vals.items() if k.endswith("max_abs")}
+            k = max(mx, key=lambda k: mx[k])
+            out.append(Failure(where, check, mx[k],
+                               detail=f"{k} outside {_tol_text(row, check, model_dtype)}"))
+    for k in ROW_SCALARS:
+        if k in row and not finite(row[k]):
+            out.append(Failure(where, k, row[k], detail="non-finite"))
+    return out
+
+
+def row_ok(row: dict) -> bool:
+    """A reconstruction row passes: both pass flags and every error finite."""
+    return not row_failures(row)
+
+
+def _nonfinite_paths(x: Any, path: str = "") -> list[tuple[str, float]]:
+    """``(path, value)`` of every non-finite float in a nested report section."""
+    if isinstance(x, dict):
+        return [p for k, v in x.items() for p in _nonfinite_paths(v, f"{path}.{k}" if path else k)]
+    if isinstance(x, list):
+        return [p for i, v in enumerate(x) for p in _nonfinite_paths(v, f"{path}[{i}]")]
+    if isinstance(x, float) and not np.isfinite(x):
+        return [(path, x)]
+    return []
+
+
+def verdict(result: dict) -> list[Failure]:
+    """Every failed check of a :func:`run` result (or its decoded ``report.json``).
+
+    Per reconstruction row (layer, context, head): :func:`row_failures`.  Per layer and
+    context: the reuse bound ``||e_i|| <= ||u_i|| ||dM_i - dM_0||_op`` violated on any query of
+    a head, the frozen cross-check and the refresh identity outside the float64 identity
+    tolerance, a non-finite tokenwise agreement; per fast-path entry and head, a non-finite
+    error.  Finally any non-finite number left in the pooled ``reconstruction``, ``fast``,
+    ``calibration.checks`` and ``reuse`` sections of a layer that no finer check has named.
+    """
+    md = (result.get("model") or {}).get("dtype", "float32")
+    fails: list[Failure] = []
+    for L, lr in result["layers"].items():
+        mine: list[Failure] = []
+        for row in lr["reconstruction"]["rows"]:
+            mine += row_failures(row, f"layer {L} context {row['context']} head {row['head']}", md)
+        ck = lr["calibration"]["checks"]
+        for pc in ck.get("per_context", []):
+            w = f"layer {L} context {pc['context']}"
+            for h, tw, bv in zip(pc["heads"], pc["tokenwise_rel"], pc["bound_violations"]):
+                if not finite(tw):
+                    mine.append(Failure(f"{w} head {h}", "tokenwise", tw, detail="non-finite"))
+                if bv:
+                    mine.append(Failure(f"{w} head {h}", "reuse_bound", bv,
+                                        detail="queries with ||e_i|| > ||u_i|| ||dM_i - dM_0||_op"))
+            for name in ("frozen_crosscheck", "refresh_identity"):
+                v = pc[f"{name}_max_abs"]
+                if not finite(v) or not pc[f"{name}_pass"]:
+                    a, r = TOLERANCES["identity_head"]
+                    mine.append(Failure(w, name, v, detail=f"max_abs outside atol/rtol {a:g}/{r:g}"
+                                        if finite(v) else "non-finite"))
+        for key, ent in lr["fast"].items():
+            for hd in ent.get("heads", []):
+                for c in hd.get("nonfinite_contexts", []):
+                    mine.append(Failure(f"layer {L} context {c} head {hd['head']}", f"fast {key}",
+                                        detail="non-finite error"))
+            for c in ent.get("combined", {}).get("nonfinite_contexts", []):
+                mine.append(Failure(f"layer {L} context {c} head combined", f"fast {key}",
+                                    detail="non-finite error"))
+        if not mine:  # a safety net: pooled numbers no finer check has accounted for
+            for sec, sub in (("reconstruction", lr["reconstruction"]), ("fast", lr["fast"]),
+                             ("calibration.checks", ck), ("reuse", lr["reuse"])):
+                for path, v in _nonfinite_paths(sub):
+                    mine.append(Failure(f"layer {L}", f"{sec}.{path}", v, detail="non-finite"))
+        fails += mine
+    return fails
+
+
+def verdict_block(result: dict) -> dict:
+    """``{"pass", "failed_checks", "failures"}`` for the report (from :func:`verdict`)."""
+    fl = verdict(result)
+    return {"pass": not fl, "failed_checks": len(fl), "failures": [f.as_dict() for f in fl]}
+
+
+def _nonfinite_contexts(per_ctx: list[dict], parts: Sequence[str]) -> list[int]:
+    """Contexts whose fast-path errors (any part, mse or max) hold a NaN or inf."""
+    return [c for c, x in enumerate(per_ctx)
+            if not finite([x[p][k] for p in parts for k in ("mse", "max_abs")])]
 
 
 def summarize_layer(ctxs: list[LayerContext], heads: Sequence[int], n_heads: int) -> dict:
@@ -559,22 +705,24 @@ def summarize_layer(ctxs: list[LayerContext], heads: Sequence[int], n_heads: int
         out = {}
         for part in ("prefix", "full", "native", "native_observed_full_forward"):
             out[part] = {"mse": _mean([r[part]["mse"] for r in sel]),
-                         "max_abs": max(r[part]["max_abs"] for r in sel)}
-        out["relation_max_abs"] = max(r["relation_max_abs"] for r in sel)
-        out["cache_vs_full_forward_max_abs"] = max(r["cache_vs_full_forward_max_abs"] for r in sel)
-        out["pass"] = sum(r["pass_identity"] and r["pass_native"] for r in sel)
+                         "max_abs": worst(r[part]["max_abs"] for r in sel)}
+        out["relation_max_abs"] = worst(r["relation_max_abs"] for r in sel)
+        out["cache_vs_full_forward_max_abs"] = worst(r["cache_vs_full_forward_max_abs"]
+                                                     for r in sel)
+        out["pass"] = sum(row_ok(r) for r in sel)
         out["rows"] = len(sel)
         return out
 
     per_head = [{"head": h, **agg([r for r in rows if r["head"] == h])} for h in heads]
     combined = agg([r for r in rows if r["head"] == "combined"])
-    npass = sum(r["pass_identity"] and r["pass_native"] for r in rows)
+    npass = sum(row_ok(r) for r in rows)
+    failed = [{f.check for f in row_failures(r)} for r in rows]
     recon = {"tolerances": {"identity_head": list(TOLERANCES["identity_head"]),
                             "identity_write": list(TOLERANCES["identity_write"]),
                             "native": TOLERANCES["native"]},
              "rows_passed": npass, "rows_total": len(rows),
-             "rows_passed_identity": sum(r["pass_identity"] for r in rows),
-             "rows_passed_native": sum(r["pass_native"] for r in rows),
+             "rows_passed_identity": sum("identity" not in f for f in failed),
+             "rows_passed_native": sum("native" not in f for f in failed),
              "per_head": per_head, "combined": combined, "rows": rows}
 
     # fast path
@@ -585,19 +733,22 @@ def summarize_layer(ctxs: list[LayerContext], heads: Sequence[int], n_heads: int
             fast_out[key] = {"error": next(e for e in errs if e)}
             continue
         ent = {"heads": [], "combined": {}}
+        parts_h = ("vs_float64", "vs_native", "identity")
         for h in heads:
             hr = [lc.fast_rows[key]["heads"][h] for lc in ctxs]
             ent["heads"].append({"head": h, **{
                 part: {"mse": _mean([x[part]["mse"] for x in hr]),
-                       "max_abs": max(x[part]["max_abs"] for x in hr)}
-                for part in ("vs_float64", "vs_native", "identity")}})
+                       "max_abs": worst(x[part]["max_abs"] for x in hr)}
+                for part in parts_h}, "nonfinite_contexts": _nonfinite_contexts(hr, parts_h)})
         cr = [lc.fast_rows[key]["combined"] for lc in ctxs]
         ent["combined"] = {part: {"mse": _mean([x[part]["mse"] for x in cr]),
-                                  "max_abs": max(x[part]["max_abs"] for x in cr)}
+                                  "max_abs": worst(x[part]["max_abs"] for x in cr)}
                            for part in ("vs_float64", "vs_native")}
+        ent["combined"]["nonfinite_contexts"] = _nonfinite_contexts(cr, ("vs_float64",
+                                                                         "vs_native"))
         ks = [lc.fast_rows[key]["kappa"] for lc in ctxs]
         ent["kappa"] = {"median": float(np.median([k["median"] for k in ks])),
-                        "max": max(k["max"] for k in ks)}
+                        "max": worst(k["max"] for k in ks)}
         fast_out[key] = ent
 
     # frozen reuse: the table, combined and per head
@@ -627,7 +778,7 @@ def summarize_layer(ctxs: list[LayerContext], heads: Sequence[int], n_heads: int
         cal_heads.append({
             "head": h, "gamma": gamma, "mse_frozen": mse1, "mse_after_gain": mseg,
             "mse_mean": float((r_ ** 2).mean()),
-            "tokenwise_max_rel": max(lc.checks["tokenwise_rel"][h] for lc in ctxs),
+            "tokenwise_max_rel": worst(lc.checks["tokenwise_rel"][h] for lc in ctxs),
             "bound_violations": (None if ctxs[0].checks["bound_violations"] is None
                                  else sum(lc.checks["bound_violations"][h] for lc in ctxs)),
             **rs.calibration(cat("rel", h), {d: cat(d, h) for d in dnames})})
@@ -650,11 +801,22 @@ def summarize_layer(ctxs: list[LayerContext], heads: Sequence[int], n_heads: int
                      "rrmse_after_gain": rs.ratio_root(mseg_o, const0),
                      **rs.calibration(rel_c, {"input": input_c, "tv_mean_over_heads": tv_c})},
         "checks": {
-            "tokenwise_max_rel": max(max(lc.checks["tokenwise_rel"]) for lc in ctxs),
-            "frozen_crosscheck_max_abs": max(lc.checks["frozen_crosscheck_max_abs"] for lc in ctxs),
-            "refresh_identity_max_abs": max(lc.checks["refresh_identity_max_abs"] for lc in ctxs),
+            "tokenwise_max_rel": worst(lc.checks["tokenwise_rel"] for lc in ctxs),
+            "frozen_crosscheck_max_abs": worst(lc.checks["frozen_crosscheck_max_abs"]
+                                               for lc in ctxs),
+            "refresh_identity_max_abs": worst(lc.checks["refresh_identity_max_abs"]
+                                              for lc in ctxs),
             "bound_violations": (None if ctxs[0].checks["bound_violations"] is None else
-                                 sum(sum(lc.checks["bound_violations"]) for lc in ctxs))},
+                                 sum(sum(lc.checks["bound_violations"]) for lc in ctxs)),
+            # every head (the combined write reads them all), per context: the verdict's data
+            "per_context": [{
+                "context": c, "heads": list(range(n_heads)),
+                "tokenwise_rel": list(lc.checks["tokenwise_rel"]),
+                "bound_violations": ([0] * n_heads if lc.checks["bound_violations"] is None
+                                     else list(lc.checks["bound_violations"])),
+                **{f"{n}_{s}": lc.checks[f"{n}_{s}"]
+                   for n in ("frozen_crosscheck", "refresh_identity") for s in ("max_abs", "pass")},
+            } for c, lc in enumerate(ctxs)]},
         "points": {
             "head": np.concatenate([np.repeat(np.asarray(heads), lc.calib["rel"].shape[1] - 1)
                                     for lc in ctxs]).tolist(),
@@ -771,7 +933,7 @@ def run(cfg: Config, *, progress: bool = True, command: Sequence[str] | None = N
     timings["total_s"] = time.perf_counter() - t_start
     env = environment(dev)
     paper = is_paper_setup(cfg, layers)
-    return {
+    result = {
         "schema": "ropestep.validate/1",
         "command": list(command) if command is not None else None,
         "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -796,6 +958,8 @@ def run(cfg: Config, *, progress: bool = True, command: Sequence[str] | None = N
         "layers": layer_out,
         "paper": PAPER if paper else None,
     }
+    result["verdict"] = verdict_block(result)
+    return result
 
 
 def _context_record(c: int, blk: Block, cap: ContextCapture, tok: Any) -> dict:

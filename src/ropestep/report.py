@@ -5,6 +5,11 @@
 :func:`write_report` writes everything into a temporary sibling directory and renames it into
 place at the end, so a failure leaves no half-written report (an existing report directory is
 replaced only after the new one is complete).
+
+Non-finite numbers are never hidden: ``report.md`` prints them as ``nan``/``inf``/``-inf`` (``—``
+means "no value", e.g. an undefined ratio), and ``report.json`` holds them as the strings
+``"nan"``/``"inf"``/``"-inf"`` (JSON has no NaN); :func:`load` reads them back as floats.  The
+verdict (``result["verdict"]``, :func:`ropestep.protocol.verdict`) opens ``report.md``.
 """
 from __future__ import annotations
 
@@ -19,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from .reuse_stats import PREDICTOR_LABELS, PREDICTORS
+from .verdict import Failure, encode, loads, nonfinite_name, worst
 
 FIGURES = ("reconstruction", "reuse_vs_distance", "lam_max")
 
@@ -27,43 +33,35 @@ FIGURES = ("reconstruction", "reuse_vs_distance", "lam_max")
 # JSON
 # ---------------------------------------------------------------------------------------------
 def jsonable(x: Any) -> Any:
-    """numpy/torch scalars and arrays to Python; non-finite floats to None (strict JSON)."""
-    if isinstance(x, dict):
-        return {str(k): jsonable(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [jsonable(v) for v in x]
-    if hasattr(x, "detach"):
-        x = x.detach().cpu().numpy()
-    if isinstance(x, np.ndarray):
-        return jsonable(x.tolist())
-    if isinstance(x, (np.bool_, bool)):
-        return bool(x)
-    if isinstance(x, (np.integer,)):
-        return int(x)
-    if isinstance(x, (float, np.floating)):
-        v = float(x)
-        return v if math.isfinite(v) else None
-    return x
+    """numpy/torch scalars and arrays to Python; non-finite floats to the strings ``"nan"``,
+    ``"inf"``, ``"-inf"`` (strict JSON has no NaN; :func:`load` reads them back)."""
+    return encode(x)
 
 
 def dumps(result: dict) -> str:
     return json.dumps(jsonable(result), indent=1, allow_nan=False, ensure_ascii=False) + "\n"
 
 
+def load(path: str | os.PathLike) -> dict:
+    """Read a ``report.json`` back, the strings ``"nan"``/``"inf"``/``"-inf"`` as floats."""
+    return loads(Path(path).read_text(encoding="utf-8"))
+
+
 # ---------------------------------------------------------------------------------------------
 # Markdown
 # ---------------------------------------------------------------------------------------------
 def fmt(x: Any, digits: int = 3) -> str:
-    """Short number: fixed for moderate magnitudes, scientific for tiny/huge, '—' for None."""
+    """Short number: fixed for moderate magnitudes, scientific for tiny/huge, ``nan``/``inf``/
+    ``-inf`` for non-finite values, '—' for None (no value)."""
     if x is None:
         return "—"
-    if isinstance(x, bool):
+    if isinstance(x, (bool, np.bool_)):
         return "yes" if x else "no"
     if isinstance(x, (int, np.integer)):
         return str(int(x))
     v = float(x)
     if not math.isfinite(v):
-        return "—"
+        return nonfinite_name(v)
     if v == 0:
         return "0"
     if 1e-3 <= abs(v) < 1e4:
@@ -76,6 +74,8 @@ def fmt6(x: Any) -> str:
     if x is None:
         return "—"
     v = float(x)
+    if not math.isfinite(v):
+        return nonfinite_name(v)
     return f"{v:.6f}" if abs(v) >= 1e-4 else f"{v:.3e}"
 
 
@@ -97,7 +97,7 @@ def render_markdown(result: dict, figures: dict[str, list[str]] | None = None) -
         f"{', '.join(map(str, proto['layers']))}",
         "",
         "Exact identity `y_i = mu_i + u_i^T dM_i` with `c_ij = phi1(s_ij)/Z_i` checked on a "
-        "pretrained model, and the paper's frozen-reuse table (PAPER_PROTOCOL.md).",
+        "pretrained model, and the paper's frozen-reuse table (docs/protocol.md).",
         "",
         "## Run",
         "",
@@ -126,10 +126,29 @@ def render_markdown(result: dict, figures: dict[str, list[str]] | None = None) -
         "",
     ]
     if paper:
-        L += ["This is the paper's setup: its numbers (PAPER_PROTOCOL.md) stand beside ours.", ""]
+        L += ["This is the paper's setup: its numbers (docs/protocol.md) stand beside ours.", ""]
+    L += _verdict_md(r.get("verdict"))
     for layer, lr in r["layers"].items():
         L += _layer_md(int(layer), lr, r, paper, (figures or {}).get(layer, []))
     return "\n".join(L).rstrip() + "\n"
+
+
+VERDICT_LINES = 50  # failed checks listed in report.md (all of them are in report.json)
+
+
+def _verdict_md(v: dict | None) -> list[str]:
+    if v is None:
+        return []
+    if v["pass"]:
+        return ["## Verdict: PASS", "", "Every check passed (reconstruction rows, reuse bound, "
+                "frozen cross-check, refresh identity; no non-finite error).", ""]
+    fl = v["failures"]
+    L = ["## Verdict: FAIL", "", f"**{v['failed_checks']} failed check(s)** "
+         "(`ropestep validate` exits with status 1):", ""]
+    L += [f"- `{Failure(**f).line()}`" for f in fl[:VERDICT_LINES]]
+    if len(fl) > VERDICT_LINES:
+        L.append(f"- … and {len(fl) - VERDICT_LINES} more (`report.json`, `verdict.failures`)")
+    return L + [""]
 
 
 def _ranges(xs: list[int]) -> str:
@@ -202,11 +221,11 @@ def _layer_md(layer: int, lr: dict, r: dict, paper: dict | None, figs: list[str]
             rows.append([key, "error: " + ent["error"][:60], "", "", "", "", ""])
             continue
         cb = ent["combined"]
-        worst = max(h["vs_float64"]["max_abs"] for h in ent["heads"]) if ent["heads"] else None
+        wh = worst((h["vs_float64"]["max_abs"] for h in ent["heads"]), default=None)
         kp = ent.get("kappa", {})
         kap = f"{fmt(kp['median'])} / {fmt(kp['max'])}" if kp else ""
         rows.append([key, fmt(cb["vs_float64"]["mse"]), fmt(cb["vs_float64"]["max_abs"]),
-                     fmt(cb["vs_native"]["mse"]), fmt(cb["vs_native"]["max_abs"]), fmt(worst),
+                     fmt(cb["vs_native"]["mse"]), fmt(cb["vs_native"]["max_abs"]), fmt(wh),
                      kap])
     L += _table(["dtype/gauge", "vs float64 MSE", "vs float64 max", "vs native MSE",
                  "vs native max", "worst head vs float64 max", "kappa median / max"], rows)
@@ -332,10 +351,18 @@ def render_figures(result: dict, fig_dir: Path) -> dict[str, list[str]]:
     return out
 
 
+def _num(x: Any) -> float:
+    """A plotted number: None -> nan, the JSON strings "nan"/"inf" -> floats."""
+    if x is None:
+        return math.nan
+    return float(x)  # float("nan"), float("inf") parse the JSON spellings too
+
+
 def _pos(x: Any) -> float:
-    """Log-scale plotting value: an exact zero is drawn at 1e-40 (below every real bar)."""
-    v = 0.0 if x is None else float(x)
-    return max(v, 1e-40)
+    """Log-scale plotting value: an exact zero is drawn at 1e-40 (below every real bar); a
+    non-finite value stays non-finite (no bar, never a fake one)."""
+    v = _num(x)
+    return v if not math.isfinite(v) else max(v, 1e-40)
 
 
 def _fig_reconstruction(plt, layer: int, lr: dict):
@@ -365,14 +392,14 @@ def _fig_reuse(plt, layer: int, lr: dict):
 
     pts = lr["calibration"]["points"]
     heads = np.asarray(pts["head"])
-    rel = np.asarray([np.nan if v is None else v for v in pts["rel"]], float)
+    rel = np.asarray([_num(v) for v in pts["rel"]], float)
     fig, axes = plt.subplots(1, 3, figsize=(13, 4), sharey=True)
     cmap = plt.get_cmap("tab20")
     uh = sorted(set(heads.tolist()))
     for ax, key, lab in zip(axes, ("score_sup", "tv", "input"),
                             ("score distance max_j |s_ij − s_0j|", "TV distance of attention rows",
                              "‖u_i − u_0‖")):
-        d = np.asarray([np.nan if v is None else v for v in pts[key]], float)
+        d = np.asarray([_num(v) for v in pts[key]], float)
         for k, h in enumerate(uh):
             sel = (heads == h) & np.isfinite(rel) & (rel > 0) & np.isfinite(d) & (d > 0)
             ax.scatter(d[sel], rel[sel], s=6, alpha=0.6, color=cmap(k % 20), label=f"h{h}")
@@ -391,7 +418,7 @@ def _fig_reuse(plt, layer: int, lr: dict):
 def _fig_lam(plt, layer: int, lr: dict):
     pts = lr["descent"]["points"]
     heads = np.asarray(pts["head"])
-    lam = np.asarray([np.nan if v is None else v for v in pts["lam_max"]], float)
+    lam = np.asarray([_num(v) for v in pts["lam_max"]], float)
     uh = sorted(set(heads.tolist()))
     fig, ax = plt.subplots(figsize=(max(6, 0.5 * len(uh) + 3), 4))
     data = [np.clip(lam[(heads == h) & np.isfinite(lam)], 1e-12, None) for h in uh]

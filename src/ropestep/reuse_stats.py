@@ -1,6 +1,6 @@
 """Pooling of the frozen-reuse table and the calibration statistics (pure numpy).
 
-The paper's table (PAPER_PROTOCOL.md, "Frozen reuse"): for context ``c`` with ``Q`` queries and
+The paper's table (docs/protocol.md, "Frozen reuse"): for context ``c`` with ``Q`` queries and
 anchor ``a``, a predictor ``f`` of the projected write ``o_ci in R^D`` scores
 
     E_ca(f) = 1/((Q-1) D) sum_{i != a} ||f_ci - o_ci||^2                      (the anchor excluded)
@@ -15,7 +15,13 @@ and is pooled with equal context weights, ratios taken after pooling:
 Target RMS is ``sqrt`` of the same pooling applied to the zero predictor.  Arrays may be numpy
 or torch (converted with ``numpy.asarray``); everything is computed in float64.
 
-Calibration (MATH.md section 6) measures how much correction a frozen anchor matrix needs as a
+Non-finite values are never dropped silently: a NaN or inf error propagates through every
+pooled number (mean, max, ratio, summary) and shows up as ``nan``/``inf`` in the report; the
+only functions that look at finite entries alone are the descriptive :func:`binned` (quantile
+bins need finite values) -- and :func:`summarize` counts what is non-finite beside its
+propagated statistics.
+
+Calibration (docs/math.md section 6) measures how much correction a frozen anchor matrix needs as a
 function of how far a query is from the anchor: the relative error ``||e_i|| / ||y_i - mu||``
 against three distances (raw score vectors in the sup norm, total variation of the attention
 rows, Euclidean distance of the layer inputs), the best scalar gain ``gamma`` of
@@ -27,6 +33,8 @@ import math
 from typing import Any, Mapping, Sequence
 
 import numpy as np
+
+from .verdict import least, worst
 
 PREDICTORS = ("constant", "mean", "frozen", "linear")
 PREDICTOR_LABELS = {
@@ -114,10 +122,16 @@ def pool(E: Any) -> dict[str, float]:
 
 
 def ratio_root(num: float, den: float) -> float | None:
-    """``sqrt(num / den)``; None when the denominator is zero (undefined ratio)."""
-    if not (den > 0) or not math.isfinite(num):
+    """``sqrt(num / den)``; None when the denominator is exactly zero (an undefined ratio, not
+    an error).  A NaN on either side gives NaN, ``inf / finite`` gives inf (never None)."""
+    num, den = float(num), float(den)
+    if den == 0 and not math.isnan(num):
         return None
-    return math.sqrt(max(num, 0.0) / den)
+    if math.isnan(num) or math.isnan(den) or num < 0 or den < 0:
+        return math.nan  # mean squares are >= 0: a negative one is an error, not a ratio
+    if math.isinf(num) and math.isinf(den):
+        return math.nan
+    return math.sqrt(num / den)
 
 
 def reuse_table(errors: Mapping[str, Any], target: Any) -> dict:
@@ -196,7 +210,10 @@ def best_gain(residual: Any, direction: Any) -> tuple[float, float, float]:
     if r.shape != g.shape:
         raise ValueError(f"residual and direction shapes differ: {r.shape} vs {g.shape}")
     gg = float((g * g).sum())
-    gamma = float((r * g).sum()) / gg if gg > 0 else 0.0
+    if math.isfinite(gg) and gg > 0:
+        gamma = float((r * g).sum()) / gg
+    else:  # no direction: gain 0; a non-finite direction: the gain is NaN, not 0
+        gamma = 0.0 if gg == 0 else math.nan
     return gamma, float(((r - g) ** 2).mean()), float(((r - gamma * g) ** 2).mean())
 
 
@@ -220,10 +237,15 @@ def rankdata(x: Any) -> np.ndarray:
 
 
 def spearman(x: Any, y: Any) -> float | None:
-    """Spearman rank correlation of finite pairs; None with fewer than 3 pairs or no spread."""
+    """Spearman rank correlation; None with fewer than 3 pairs or no spread.
+
+    A NaN anywhere makes the correlation NaN (it is never computed over the survivors);
+    infinite values are ranked like any other (they are the largest/smallest)."""
     a, b = _f64(x).ravel(), _f64(y).ravel()
-    ok = np.isfinite(a) & np.isfinite(b)
-    a, b = a[ok], b[ok]
+    if a.size != b.size:
+        raise ValueError(f"spearman: {a.size} x values but {b.size} y values")
+    if np.isnan(a).any() or np.isnan(b).any():
+        return math.nan
     if a.size < 3:
         return None
     ra, rb = rankdata(a), rankdata(b)
@@ -234,7 +256,10 @@ def spearman(x: Any, y: Any) -> float | None:
 
 
 def binned(x: Any, y: Any, n_bins: int = 5) -> list[dict]:
-    """Quantile bins of ``x``: per bin the x-range, count and median / 90th percentile of ``y``."""
+    """Quantile bins of ``x``: per bin the x-range, count and median / 90th percentile of ``y``.
+
+    Quantile edges need finite numbers: the bins are over the finite pairs only (the caller's
+    :func:`summarize` and :func:`spearman` report the non-finite ones)."""
     a, b = _f64(x).ravel(), _f64(y).ravel()
     ok = np.isfinite(a) & np.isfinite(b)
     a, b = a[ok], b[ok]
@@ -253,13 +278,21 @@ def binned(x: Any, y: Any, n_bins: int = 5) -> list[dict]:
 
 
 def summarize(x: Any) -> dict:
-    """Median / mean / max / min of the finite entries of ``x``."""
+    """Median / mean / max / min of all entries of ``x``, and how many are non-finite.
+
+    Non-finite entries are kept: a NaN makes every statistic NaN, an inf reaches the max (and
+    the mean); ``nonfinite`` counts them.  No entries at all: the statistics are None."""
     a = _f64(x).ravel()
-    a = a[np.isfinite(a)]
     if a.size == 0:
-        return {"n": 0, "median": None, "mean": None, "min": None, "max": None}
-    return {"n": int(a.size), "median": float(np.median(a)), "mean": float(a.mean()),
-            "min": float(a.min()), "max": float(a.max())}
+        return {"n": 0, "nonfinite": 0, "median": None, "mean": None, "min": None, "max": None}
+    bad = int((~np.isfinite(a)).sum())
+    if np.isnan(a).any():
+        nan = math.nan
+        return {"n": int(a.size), "nonfinite": bad, "median": nan, "mean": nan, "min": nan,
+                "max": nan}
+    with np.errstate(invalid="ignore"):  # inf - inf inside mean/median of +-inf entries
+        return {"n": int(a.size), "nonfinite": bad, "median": float(np.median(a)),
+                "mean": float(a.mean()), "min": least(a), "max": worst(a)}
 
 
 def calibration(rel_err: Any, distances: Mapping[str, Any], n_bins: int = 5) -> dict:

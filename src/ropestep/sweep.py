@@ -19,6 +19,18 @@ Launch::
 
     torchrun --standalone --nproc_per_node 2 -m ropestep.sweep --out sweep.json   # 2 ranks
     python -m ropestep.sweep --out sweep.json                                      # 1 process
+    ropestep sweep --out sweep.json                                                # the same
+
+Verdict and exit status: an item fails when its identity error (``max_rel``, the worst head's
+``max|y - readout| / max|y|``) is non-finite or above :func:`ropestep.tolerances.agreement_rel_tol`
+for the item's dtype and sizes, or -- model items -- when ``y_vs_model_rel`` is non-finite or
+above :func:`ropestep.tolerances.native_rel_tol`.  Non-finite values are caught per chunk
+(:func:`nonfinite_witness`), independently of the batched path's own reductions, and kept as
+NaN/inf (written as the strings ``"nan"``/``"inf"`` in JSON).  Exit 0 when every item passes;
+1 when an item fails (one ``FAIL`` line per failed check on stderr, the report still written);
+2 on bad input (bad option, nonexistent model path, layer out of range, ...: one line on stderr,
+no traceback, no report).  Under torchrun every rank reports to rank 0 (its items, or its
+error), rank 0 decides and broadcasts the exit status, so every rank exits with the same one.
 
 Under torchrun (``RANK``/``WORLD_SIZE``/``MASTER_ADDR`` in the environment) every rank joins a
 process group (``gloo`` on CPU, ``nccl`` on CUDA; ``--backend`` overrides), takes items
@@ -32,7 +44,7 @@ floats are written with ``repr`` precision.
 from __future__ import annotations
 
 import argparse
-import json
+import math
 import os
 import platform
 import sys
@@ -40,55 +52,22 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
+from .verdict import EXIT_FAIL, EXIT_INPUT, EXIT_PASS, Failure, num, print_failures, worst
+
 SCHEMA = "ropestep.sweep/1"
+PROG = "python -m ropestep.sweep"
+
+
+class SweepInputError(ValueError):
+    """Bad input to the sweep (options, model path, layer or context out of range): one line."""
 
 
 # ---------------------------------------------------------------------------------------------
 # processes
 # ---------------------------------------------------------------------------------------------
-def under_launcher() -> bool:
-    """True when started by torchrun (or any launcher setting the env:// variables)."""
-    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
-
-
-def init_distributed(backend: str | None = None, device: str = "cpu") -> tuple[int, int, Any]:
-    """Join the process group from torchrun's environment; ``(rank, world, device)``.
-
-    ``backend`` defaults to ``nccl`` for CUDA devices and ``gloo`` otherwise.  Without a
-    launcher environment this is a single process: ``(0, 1, device)`` and no group.
-    """
-    import torch
-    import torch.distributed as dist
-
-    if not under_launcher():
-        return 0, 1, torch.device(device)
-    dev = torch.device(device)
-    if dev.type == "cuda":
-        local = int(os.environ.get("LOCAL_RANK", 0))
-        dev = torch.device("cuda", local)
-        torch.cuda.set_device(dev)
-    be = backend or ("nccl" if dev.type == "cuda" else "gloo")
-    if not dist.is_initialized():
-        dist.init_process_group(backend=be, init_method="env://")
-    return dist.get_rank(), dist.get_world_size(), dev
-
-
-def gather_to_rank0(obj: Any, rank: int, world: int) -> list[Any] | None:
-    """``gather_object`` of one picklable object per rank; the list on rank 0, None elsewhere."""
-    if world == 1:
-        return [obj]
-    import torch.distributed as dist
-
-    out = [None] * world if rank == 0 else None
-    dist.gather_object(obj, out, dst=0)
-    return out
-
-
-def shard(items: Sequence[Any], rank: int, world: int) -> list[Any]:
-    """Round-robin share of ``items`` for ``rank`` (``items[rank::world]``)."""
-    if not (0 <= rank < world):
-        raise ValueError(f"rank {rank} outside world of size {world}")
-    return list(items[rank::world])
+# the process helpers live in ropestep.dist (shared with ropestep.atlas)
+from .dist import (broadcast_from_rank0, finish, gather_to_rank0, init_distributed,  # noqa: E402,F401
+                   shard, under_launcher)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -164,19 +143,106 @@ def hash_seed(seed: int, kind: str, index: int) -> int:
     return int.from_bytes(h[:8], "little") & ((1 << 63) - 1)
 
 
-def _errors(res: Any) -> dict:
-    return {"max_abs": [float(v) for v in res.max_abs],
-            "mean_abs": [float(v) for v in res.mean_abs],
-            "max_rel": [float(v) for v in res.max_rel],
-            "max_rel_dev": [float(v) for v in res.max_rel_dev],
-            "n_queries": int(res.n_queries)}
+class NonfiniteWitness:
+    """Per head, the worst ``|y_i - readout_i|`` of every chunk, NaN and inf kept.
+
+    The batched path reduces its errors with its own running maxima; this ``on_chunk`` hook
+    reduces the same differences with :func:`ropestep.verdict.worst`, so a NaN or inf anywhere in
+    ``y`` or the readout reaches the item's record whatever that reduction does with it.
+    """
+
+    def __init__(self) -> None:
+        self.worst: dict[int, float] = {}
+
+    def __call__(self, ch: Any) -> None:
+        import torch
+
+        d = (ch.y_c - ch.readout_c).detach()
+        bad = ~torch.isfinite(d).flatten(1).all(1)  # (G,) heads with a non-finite entry
+        if bool(bad.any()):
+            for a in bad.nonzero().flatten().tolist():
+                h = ch.heads[a]
+                self.worst[h] = worst([self.worst.get(h, 0.0), d[a].abs().to(torch.float64)])
+
+    def nonfinite(self) -> dict[int, float]:
+        return {h: v for h, v in self.worst.items() if not math.isfinite(v)}
+
+
+def nonfinite_witness() -> NonfiniteWitness:
+    """A fresh :class:`NonfiniteWitness` (an ``on_chunk`` hook of ``identity_check``)."""
+    return NonfiniteWitness()
+
+
+def _errors(res: Any, nonfinite: dict[int, float] | None = None) -> dict:
+    out = {"max_abs": [float(v) for v in res.max_abs],
+           "mean_abs": [float(v) for v in res.mean_abs],
+           "max_rel": [float(v) for v in res.max_rel],
+           "max_rel_dev": [float(v) for v in res.max_rel_dev],
+           "n_queries": int(res.n_queries)}
+    for h, v in (nonfinite or {}).items():  # NaN stays NaN, an infinite error stays inf
+        for k in ("max_abs", "mean_abs", "max_rel", "max_rel_dev"):
+            out[k][h] = v
+    return out
+
+
+def _both(*hooks: Any) -> Any:
+    def call(ch: Any) -> None:
+        for f in hooks:
+            f(ch)
+    return call
+
+
+def _nan_errors(n_heads: int, n_queries: int) -> dict:
+    nan = [math.nan] * n_heads
+    return {"max_abs": nan, "mean_abs": list(nan), "max_rel": list(nan), "max_rel_dev": list(nan),
+            "n_queries": n_queries}
+
+
+def _checked(check: Any, on_chunk: Any, n_heads: int, n_queries: int) -> tuple[dict, str | None]:
+    """``(heads errors, error message)``: the check's per-head errors with the witness's
+    non-finite values, or all NaN and the message when the fast path raised on a non-finite
+    value (``FloatingPointError``: an overflowing gauge, a NaN input)."""
+    wit = nonfinite_witness()
+    try:
+        res = check(on_chunk=_both(wit, on_chunk) if on_chunk is not None else wit)
+    except FloatingPointError as err:
+        return _nan_errors(n_heads, n_queries), " ".join(str(err).split())
+    return _errors(res, wit.nonfinite()), None
+
+
+def item_failures(rec: dict) -> list[Failure]:
+    """Failed checks of one item record: identity (and, model items, the model's own output)."""
+    where = f"context {rec['context']} (length {rec['length']}) layer {rec['layer']}"
+    out = []
+    if rec.get("error"):
+        out.append(Failure(where, "identity", math.nan, rec["tol_identity"],
+                           detail=rec["error"]))
+    elif not (rec["max_rel"] <= rec["tol_identity"]):  # NaN fails
+        heads = [h for h, v in enumerate(rec["heads"]["max_rel"])
+                 if not (v <= rec["tol_identity"])]
+        out.append(Failure(where, "identity max_rel", rec["max_rel"], rec["tol_identity"],
+                           detail=f"heads {heads}"))
+    if "y_vs_model_rel" in rec and not (rec["y_vs_model_rel"] <= rec["tol_native"]):
+        out.append(Failure(where, "y_vs_model_rel", rec["y_vs_model_rel"], rec["tol_native"]))
+    return out
+
+
+def _check_layers(layers: Sequence[int], n_layers: int | None = None) -> None:
+    bad = [x for x in layers if x < 0 or (n_layers is not None and x >= n_layers)]
+    if bad:
+        rng = ("" if n_layers is None
+               else f": the model has {n_layers} layers (valid: 0..{n_layers - 1})")
+        raise SweepInputError(f"layer {bad[0]} out of range{rng}")
 
 
 def run_items(args: argparse.Namespace, items: list[dict], device: Any) -> list[dict]:
-    """Compute this process's items (synthetic or model) and return their records."""
+    """Compute this process's items (synthetic or model) and return their records.
+
+    Each record carries its tolerances (``tol_identity``, and ``tol_native`` for model items)
+    and ``pass``; non-finite errors are kept (:class:`NonfiniteWitness`)."""
     import torch
 
-    from . import scale
+    from . import scale, tolerances
 
     dt = getattr(torch, args.dtype)
     out = []
@@ -184,14 +250,27 @@ def run_items(args: argparse.Namespace, items: list[dict], device: Any) -> list[
         for it in items:
             spec, w = synthetic_layer(args, it["layer"])
             x = synthetic_context(args, it["context"], it["length"])
-            res = scale.identity_check(spec, w, x, dtype=dt, device=device, gauge=args.gauge,
-                                       max_bytes=args.max_bytes)
-            out.append(dict(it, heads=_errors(res), max_rel=float(max(res.max_rel))))
+            heads, error = _checked(
+                lambda on_chunk: scale.identity_check(
+                    spec, w, x, dtype=dt, device=device, gauge=args.gauge,
+                    max_bytes=args.max_bytes, on_chunk=on_chunk),
+                None, spec.n_heads, it["length"])
+            rec = dict(it, heads=heads, max_rel=worst(heads["max_rel"]),
+                       tol_identity=tolerances.agreement_rel_tol(dt, it["length"], spec.head_dim))
+            if error:
+                rec["error"] = error
+            rec["pass"] = not item_failures(rec)
+            out.append(rec)
         return out
     from . import models
 
     model = load_sharded(args.model, device_map=args.device_map, revision=args.revision)
     info = models.describe_model(model)
+    _check_layers(args.layers, info.n_layers)  # all of them: every rank reaches the same verdict
+    too_long = [n for n in args.contexts if info.max_positions and n > info.max_positions]
+    if too_long:
+        raise SweepInputError(f"context length {too_long[0]} exceeds the model's context "
+                              f"(max_position_embeddings={info.max_positions})")
     by_ctx: dict[int, list[dict]] = {}
     for it in items:
         by_ctx.setdefault(it["context"], []).append(it)
@@ -204,26 +283,38 @@ def run_items(args: argparse.Namespace, items: list[dict], device: Any) -> list[
             cap = caps[it["layer"]]
             spec, w = models.layer_head(model, it["layer"], n, dtype=torch.float64, device=device)
             own = cap.heads.to(torch.float64)  # (n, H, r): the model's own head outputs
-            worst = [0.0]
+            vs_model = [0.0]
 
-            def versus_model(ch: Any, own: Any = own, worst: list = worst) -> None:
+            def versus_model(ch: Any, own: Any = own, acc: list = vs_model) -> None:
                 ref = own[ch.queries.cpu()][:, ch.heads].transpose(0, 1)  # (G, Qc, r)
-                worst[0] = max(worst[0], float((ch.y.cpu().double() - ref).abs().max()))
+                acc[0] = worst([acc[0], (ch.y.cpu().double() - ref).abs()])
 
-            res = scale.identity_check(spec, w, cap.x, cap.positions, dtype=dt, device=device,
-                                       gauge=args.gauge, max_bytes=args.max_bytes,
-                                       on_chunk=versus_model)
-            out.append(dict(it, heads=_errors(res), max_rel=float(max(res.max_rel)),
-                            y_vs_model_rel=worst[0] / float(own.abs().max()), model=info.name))
+            heads, error = _checked(
+                lambda on_chunk, cap=cap, spec=spec, w=w: scale.identity_check(
+                    spec, w, cap.x, cap.positions, dtype=dt, device=device, gauge=args.gauge,
+                    max_bytes=args.max_bytes, on_chunk=on_chunk),
+                versus_model, spec.n_heads, it["length"])
+            if error:
+                vs_model[0] = math.nan  # the chunks it saw are not the whole layer
+            n, d, m = it["length"], spec.head_dim, int(cap.x.shape[-1])
+            scale_own = float(own.abs().max())  # relative to the model's output (absolute if 0)
+            rec = dict(it, heads=heads, max_rel=worst(heads["max_rel"]),
+                       y_vs_model_rel=vs_model[0] / scale_own if scale_own > 0 else vs_model[0],
+                       model=info.name,
+                       tol_identity=tolerances.agreement_rel_tol(dt, n, d),
+                       tol_native=tolerances.native_rel_tol(n, d, m))
+            if error:
+                rec["error"] = error
+            rec["pass"] = not item_failures(rec)
+            out.append(rec)
     return out
 
 
 # ---------------------------------------------------------------------------------------------
 # entry point
 # ---------------------------------------------------------------------------------------------
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m ropestep.sweep",
-                                description=(__doc__ or "").split("\n\n")[0])
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """Arguments of the sweep (``ropestep sweep`` and ``python -m ropestep.sweep``)."""
     p.add_argument("--out", type=Path, required=True, help="report JSON (written by rank 0)")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--synthetic", action="store_true", help="seeded random layers (default)")
@@ -244,9 +335,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gauge", default="original", choices=["original", "maxkey", "pairwise"])
     p.add_argument("--max-bytes", type=int, default=1 << 30)
     p.add_argument("--device", default="cpu")
-    p.add_argument("--backend", default=None, help="gloo or nccl (default by device)")
+    p.add_argument("--backend", default=None, choices=["gloo", "nccl", "mpi", "ucc"],
+                   help="gloo or nccl (default by device)")
     p.add_argument("--threads", type=int, default=1,
                    help="torch threads per process (fixed so results do not depend on it)")
+
+
+def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
+    from .verdict import OneLineParser
+
+    p = OneLineParser(prog=prog, description=(__doc__ or "").split("\n\n")[0])
+    add_arguments(p)
     return p
 
 
@@ -260,48 +359,170 @@ def _config(args: argparse.Namespace) -> dict:
     return cfg
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def check_args(args: argparse.Namespace) -> None:
+    """Model-independent checks of the options; :class:`SweepInputError` on bad input."""
     import torch
 
-    args = build_parser().parse_args(argv)
+    if any(n < 1 for n in args.contexts):
+        raise SweepInputError(f"--contexts lengths must be >= 1, got {args.contexts}")
+    _check_layers(args.layers)
+    if args.threads < 1:
+        raise SweepInputError(f"--threads must be >= 1, got {args.threads}")
+    if args.max_bytes < 1:
+        raise SweepInputError(f"--max-bytes must be >= 1, got {args.max_bytes}")
+    if args.model is None:
+        if args.heads < 1 or args.kv_heads < 1 or args.heads % args.kv_heads:
+            raise SweepInputError(f"--heads {args.heads} must be a positive multiple of "
+                                  f"--kv-heads {args.kv_heads}")
+        if args.head_dim < 2 or args.head_dim % 2:
+            raise SweepInputError(f"--head-dim must be even and >= 2 (RoPE pairs), got "
+                                  f"{args.head_dim}")
+        if args.hidden < 1:
+            raise SweepInputError(f"--hidden must be >= 1, got {args.hidden}")
+        if not (args.rope_base > 1 and math.isfinite(args.rope_base)):
+            raise SweepInputError(f"--rope-base must be finite and > 1, got {args.rope_base}")
+    else:
+        p = Path(args.model).expanduser()
+        # a hub id is "name" or "org/name"; anything else names a local path
+        looks_local = args.model.startswith((".", "/", "~")) or args.model.count("/") > 1
+        if looks_local and not p.exists():
+            raise SweepInputError(f"--model {args.model!r} does not exist")
+    dev = str(args.device)
+    if not (dev == "cpu" or dev == "cuda" or (dev.startswith("cuda:") and dev[5:].isdigit())):
+        raise SweepInputError(f"--device must be 'cpu' or 'cuda[:N]', got {dev!r}")
+    if dev.startswith("cuda") and not torch.cuda.is_available():
+        raise SweepInputError("--device cuda requested but no CUDA device is available")
+    out = Path(args.out)
+    if out.is_dir():
+        raise SweepInputError(f"--out {str(out)!r} is a directory")
+
+
+def _input_errors() -> tuple:
+    errs: tuple = (SweepInputError,)
+    try:
+        from . import models
+
+        errs += (models.ModelLoadError, models.UnsupportedModelError)
+    except ImportError:  # pragma: no cover - transformers missing: only synthetic sweeps
+        pass
+    return errs
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m ropestep.sweep``: parse, then :func:`run`; returns the exit status."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as stop:  # --help (0) or a one-line usage error (2)
+        return int(stop.code or 0)
+    return run(args, argv)
+
+
+def run(args: argparse.Namespace, argv: Sequence[str] | None = None, prog: str = PROG) -> int:
+    """Run the sweep; the exit status (0 pass, 1 an item failed, 2 bad input) on every rank."""
+    import torch
+
+    try:
+        check_args(args)
+    except SweepInputError as err:  # the same on every rank: all exit 2 before any group
+        return _one_line(prog, err)
     torch.set_num_threads(args.threads)
+    if args.model is not None:
+        from .protocol import quiet_libraries
+
+        quiet_libraries()  # no loader progress bars: stderr carries errors and failures
     t0 = time.time()
-    rank, world, dev = init_distributed(args.backend, args.device)
+    try:
+        rank, world, dev = init_distributed(args.backend, args.device)
+    except (RuntimeError, ValueError) as err:
+        return _one_line(prog, err)
+    code: int | None = None
+    synced = False  # every rank holds the verdict: all collectives are done
     try:
         items = work_items(args)
         mine = shard(items, rank, world)
-        done = run_items(args, mine, dev)
-        parts = gather_to_rank0({"rank": rank, "items": done}, rank, world)
+        status: dict = {"rank": rank, "items": []}
+        try:
+            status["items"] = run_items(args, mine, dev)
+        except _input_errors() as err:
+            status["input_error"] = " ".join(str(err).split()) or type(err).__name__
+        except Exception as err:  # noqa: BLE001 - reported to rank 0 so no rank hangs
+            import traceback
+
+            traceback.print_exc()
+            status["crash"] = f"{type(err).__name__}: {' '.join(str(err).split())}"
+        parts = gather_to_rank0(status, rank, world)
         if rank == 0:
-            recs = sorted((r for p in parts for r in p["items"]), key=_item_key)
-            if [_item_key(r) for r in recs] != [_item_key(i) for i in items]:
-                raise RuntimeError("the gathered items do not cover the work list exactly once")
-            import torch.distributed as dist
+            try:
+                code = _decide(args, argv, parts, items, world, t0, prog)
+            except Exception:  # noqa: BLE001 - the other ranks still wait for the verdict
+                import traceback
 
-            report = {
-                "schema": SCHEMA,
-                "config": _config(args),
-                "items": recs,
-                "max_rel": max(r["max_rel"] for r in recs),
-                "run": {"world_size": world,
-                        "backend": dist.get_backend() if dist.is_initialized() else None,
-                        "rank_items": {str(p["rank"]): [[r["context"], r["layer"]]
-                                                        for r in p["items"]] for p in parts},
-                        "seconds": time.time() - t0, "torch": torch.__version__,
-                        "python": platform.python_version(),
-                        "command": " ".join([os.path.basename(sys.argv[0])] + list(
-                            sys.argv[1:] if argv is None else argv))},
-            }
-            args.out.parent.mkdir(parents=True, exist_ok=True)
-            args.out.write_text(json.dumps(report, indent=1) + "\n")
-            print(f"ropestep.sweep: {len(recs)} items on {world} process(es), max identity "
-                  f"error {report['max_rel']:.2e} (relative) -> {args.out}")
+                traceback.print_exc()
+                code = EXIT_FAIL
+        code = int(broadcast_from_rank0(code, rank, world))
+        synced = True
     finally:
-        import torch.distributed as dist
+        finish(barrier=synced)
+    return code
 
-        if dist.is_initialized():
-            dist.destroy_process_group()
-    return 0
+
+def _one_line(prog: str, err: BaseException) -> int:
+    msg = " ".join(str(err).split()) or type(err).__name__
+    sys.stderr.write(f"{prog}: error: {msg}\n")
+    return EXIT_INPUT
+
+
+def _decide(args: argparse.Namespace, argv: Sequence[str] | None, parts: list[dict],
+            items: list[dict], world: int, t0: float, prog: str) -> int:
+    """Rank 0: the report and the exit status from every rank's share."""
+    import torch
+    import torch.distributed as dist
+
+    bad = [p for p in parts if "input_error" in p]
+    if bad:
+        return _one_line(prog, SweepInputError(bad[0]["input_error"]))
+    crashed = [p for p in parts if "crash" in p]
+    if crashed:
+        for p in crashed:
+            sys.stderr.write(f"{prog}: error: rank {p['rank']} crashed: {p['crash']}\n")
+        return EXIT_FAIL
+    recs = sorted((r for p in parts for r in p["items"]), key=_item_key)
+    if [_item_key(r) for r in recs] != [_item_key(i) for i in items]:
+        sys.stderr.write(f"{prog}: error: the gathered items do not cover the work list "
+                         "exactly once\n")
+        return EXIT_FAIL
+    failures = [f for r in recs for f in item_failures(r)]
+    report = {
+        "schema": SCHEMA,
+        "config": _config(args),
+        "items": recs,
+        "max_rel": worst((r["max_rel"] for r in recs), default=math.nan),
+        "pass": not failures,
+        "failures": [f.as_dict() for f in failures],
+        "run": {"world_size": world,
+                "backend": dist.get_backend() if dist.is_initialized() else None,
+                "rank_items": {str(p["rank"]): [[r["context"], r["layer"]]
+                                                for r in p["items"]] for p in parts},
+                "seconds": time.time() - t0, "torch": torch.__version__,
+                "python": platform.python_version(),
+                "command": " ".join([os.path.basename(sys.argv[0])] + list(
+                    sys.argv[1:] if argv is None else argv))},
+    }
+    from .verdict import dumps
+
+    try:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(dumps(report, indent=1) + "\n")
+    except OSError as err:
+        return _one_line(prog, SweepInputError(f"cannot write --out {str(args.out)!r}: {err}"))
+    print(f"{prog}: {len(recs)} items on {world} process(es), max identity error "
+          f"{num(report['max_rel'], '.2e')} (relative), "
+          f"{'PASS' if not failures else f'FAIL ({len(failures)} failed checks)'} -> {args.out}")
+    if failures:
+        print_failures(prog, failures)
+        return EXIT_FAIL
+    return EXIT_PASS
 
 
 def same_report(a: dict, b: dict) -> bool:

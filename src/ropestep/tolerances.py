@@ -252,3 +252,36 @@ def exp_of_sum_rel(abs_sum: float, n_terms: int, dtype: torch.dtype = torch.floa
     reach ~1e4, so it is only accurate to ~1e-12 relative -- ill-conditioned, not wrong.
     """
     return float((n_terms + 8) * unit_roundoff(dtype) * max(1.0, float(abs_sum)))
+
+
+def descent_bound(dtype: torch.dtype, size, n_keys: int, head_dim: int, hidden: int,
+                  score_max=0.0):
+    """``(N + m + 4 (d+1)^2 + 3 (d+1) + 8 + 3 max|s|) u * size``: first-order error of a
+    descent diagnostic of ``fast.descent`` (``lambda_max(H_i)``, ``E_i(0)``, ``E_i(Delta M_i)``)
+    whose evaluated terms have total absolute size ``size`` (tests/test_paths_vs_exact.py
+    computes it from the oracle's quantities for each diagnostic).
+
+    Derivation, counting roundings relative to ``size`` (``D = d + 1``: the factor space
+    ``hat k_j = [k~_j - k_o; beta_j - beta_o]``, ``hat L = [L_i | e_{m+1}]``):
+
+    * coefficients ``c_j``: the scores' rounding reaches them through ``e^s`` twice (the key's
+      and ``Z``'s) plus the gauge anchor: ``3 u max|s|`` (the suite's proxy for the score
+      rounding, as in :func:`readout_bound`);
+    * the sums over ``N`` keys (``G = sum_j c_j hat k_j hat k_j^T``, ``E``'s sums, ``T``):
+      ``gamma_{N+8}`` with the centring and a few ulp of ``phi_1``; ``hat L^T hat L``:
+      ``gamma_{m+1}``;
+    * ``lambda_max`` is that of ``G^{1/2} (hat L^T hat L) G^{1/2}``.  The symmetric
+      eigensolvers are backward stable (``D u ||.||`` each, twice); the clamp of ``G``'s
+      rounded-negative eigenvalues is a perturbation of the same size; forming ``G^{1/2} = U
+      Lambda^{1/2} U^T`` and the triple product rounds at ``gamma_D`` of products of
+      absolute-value matrices whose 2-norms exceed the factors' by up to ``D``: ``4 D^2 u`` in
+      all (two such products, each entering twice).  Weyl's inequality turns the perturbation of
+      the symmetric matrix into that of its eigenvalue; ``||hat L||_F^2 tr G`` bounds
+      ``||hat L^T hat L||_2 ||G||_2``;
+    * ``E(Delta M)``: the residual ``hat k_j^T hat L^T (hat L [T; b]) - (v_j - mu)`` adds
+      ``gamma_{2D + m + 1}`` -- below the eigenvalue's count.
+
+    One factor covers the three diagnostics (each needs at most that many roundings).
+    """
+    n = n_keys + hidden + 4 * (head_dim + 1) ** 2 + 3 * (head_dim + 1) + 8 + 3 * float(score_max)
+    return n * unit_roundoff(dtype) * size

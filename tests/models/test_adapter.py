@@ -14,7 +14,7 @@ Tolerances (u = 2^-24, the float32 unit roundoff):
   (``reference_heads`` in float32 on the same float32 inputs, weights and tables) are two float32
   evaluations of one sequence of operations that differ only in summation order and bias fusion,
   so their errors against float64 are of the same size (measured ratio 0.97-1.04 here).  We
-  require ``err(captured) <= 2 * err(naive float32) + 4 u max|y|`` (STYLE.md: k times the
+  require ``err(captured) <= 2 * err(naive float32) + 4 u max|y|`` (docs/math.md section 9: k times the
   same-dtype naive error plus a one-rounding floor).  The float64-table mutation moves the angles
   by ~p*u and must exceed that bound; wrong GQA grouping or pair layout must exceed it 1000-fold.
 """
@@ -241,7 +241,7 @@ def test_refuses_unsupported_configs(case, tiny_config):
     assert "\n" not in str(exc.value)
 
 
-# The attention-relevant fields of Qwen/Qwen2.5-0.5B's config.json (PAPER_PROTOCOL.md, Setup):
+# The attention-relevant fields of Qwen/Qwen2.5-0.5B's config.json (docs/protocol.md, Setup):
 # legacy top-level rope_theta, a sliding_window value that is switched off by use_sliding_window.
 QWEN25_05B_CONFIG = {
     "model_type": "qwen2", "hidden_size": 896, "intermediate_size": 4864,
@@ -463,7 +463,7 @@ def test_reference_attention_matches_captured_heads(which, layer, request):
 
 
 # Layers where the float64-table mutation is visible above float32 noise: it moves the angle by
-# ~p * u (MATH.md: ~1e-5 at p = 511), which shows in heads whose scores are large and
+# ~p * u (docs/math.md: ~1e-5 at p = 511), which shows in heads whose scores are large and
 # position-sensitive; in SmolLM2's layer 1 every head is affected (3-8x), in many late layers
 # the noise of large values hides it.
 # Qwen3's qk-norm bounds |q|, |k| (scores of order 1), so there the table mutation stays below
