@@ -860,11 +860,9 @@ def same_report(a: dict, b: dict) -> bool:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m ropestep.atlas ...`` (what torchrun launches); same as ``ropestep atlas``."""
-    import argparse
-
-    argv = list(sys.argv[1:] if argv is None else argv)
     from .verdict import OneLineParser
 
+    argv = list(sys.argv[1:] if argv is None else argv)
     p = OneLineParser(prog="ropestep atlas", description=(__doc__ or "").split("\n")[0])
     add_arguments(p)
     try:
