@@ -448,7 +448,7 @@ def run(cfg: AtlasConfig, *, progress: bool = True, command: Sequence[str] | Non
     returns the report; the other ranks return None.
     """
     from . import models, protocol
-    from .corpus import load_corpus, select_blocks, sha256_file, tokenizer_fn
+    from .corpus import load_corpus, select_blocks, tokenizer_fn
 
     check_config(cfg)
     timers: dict[str, float] = {}

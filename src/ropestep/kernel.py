@@ -317,7 +317,6 @@ def gauge_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.T
     if gauge not in GAUGE_KINDS:
         raise ValueError(f"unknown gauge {gauge!r}: one of {GAUGE_KINDS}")
     G, Qc, d = q.shape
-    m3 = mask[None]
     kh = k if kbar is None else k - kbar
     vh = v if vbar is None else v - vbar
     s = q @ k.transpose(-1, -2)  # (G, Qc, n) raw scores q_i . k~_j

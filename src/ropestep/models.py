@@ -872,6 +872,81 @@ def capture_continuations(model: Any, prefix_ids: Any,
                                prefix=prefix, queries=queries)
 
 
+@dataclass
+class BlockCapture:
+    """One forward over a whole block plus its candidate next tokens (see :func:`capture_block`)."""
+
+    full: dict[int, LayerCapture]  # positions 0..n-1 of the block (bank + observed token)
+    logits: torch.Tensor  # (vocab,) at position n-2: the prefix's prediction of token n-1
+    candidates: torch.Tensor  # (Q,)
+    queries: dict[int, LayerCapture]  # Q rows at position n-1, row i = candidates[i]
+
+
+def capture_block(model: Any, block_ids: Any, layers: int | Sequence[int],
+                  candidates: Sequence[int] | Callable[[torch.Tensor], Sequence[int]], *,
+                  batched: bool = True) -> BlockCapture:
+    """The protocol's capture: ONE forward over the block, then the candidates in one step.
+
+    The forward (batch 1, eager, KV cache on) records every requested layer at every position
+    (the bank ``0..n-2`` and the observed token at ``n-1``) and the logits at ``n-2`` (causal
+    attention makes them the prefix's own).  The cache is then cut back to the prefix and the
+    candidates (a list, or a function of those logits) run at position ``n-1`` as one batched
+    single-token step on the prefix cache repeated once per candidate (``batched=False``: one
+    step each, the cache cut back after every step), so each sees exactly the prefix and
+    itself.  Equivalent to :func:`capture` plus :func:`capture_continuations` up to float32
+    rounding, with one forward over the block instead of two.
+    """
+    info = _check_capture_model(model)
+    Ls = _layers(info, layers)
+    dev = next(model.parameters()).device
+    ids = _ids(block_ids, dev)
+    n = ids.numel()
+    if n < 2:
+        raise ValueError("a block needs at least 2 tokens (a prefix and the observed token)")
+    base = _base(model)
+    ckw = "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
+    fkw = {}
+    if "logits_to_keep" in inspect.signature(model.forward).parameters:
+        fkw["logits_to_keep"] = 2  # positions n-2 and n-1 only
+    disable_tf32()
+    with torch.no_grad():
+        with _hooks(model, Ls) as rec:
+            out = model(input_ids=ids[None], position_ids=torch.arange(n, device=dev)[None],
+                        use_cache=True, **fkw)
+        full = _take(rec, info, 1, torch.arange(n))
+        logits = out.logits[0, -2].detach().cpu()
+        cache = _out_cache(out)
+        if cache is None:
+            raise RuntimeError(f"{info.name}: the forward pass returned no KV cache")
+        cache.crop(-1)  # drop the observed token: the prefix's cache, positions 0..n-2
+        if cache.get_seq_length() != n - 1:
+            raise RuntimeError(f"{info.name}: cache holds {cache.get_seq_length()} positions "
+                               f"after cropping, expected {n - 1}")
+        cands = candidates(logits) if callable(candidates) else candidates
+        cand = torch.as_tensor(list(cands), dtype=torch.long).reshape(-1)
+        Q = int(cand.numel())
+        if Q < 1:
+            raise ValueError("no candidate tokens")
+        if int(cand.min()) < 0 or int(cand.max()) >= logits.shape[0]:
+            raise ValueError(f"candidate token ids must lie in [0, {logits.shape[0]})")
+        with _hooks(model, Ls) as rec:
+            if batched and hasattr(cache, "batch_repeat_interleave"):
+                cache.batch_repeat_interleave(Q)
+                base(input_ids=cand.to(dev)[:, None],
+                     position_ids=torch.full((Q, 1), n - 1, device=dev), use_cache=True,
+                     **{ckw: cache})
+                calls = 1
+            else:
+                for t in cand.tolist():
+                    base(input_ids=torch.tensor([[t]], device=dev),
+                         position_ids=torch.tensor([[n - 1]], device=dev), use_cache=True,
+                         **{ckw: cache})
+                    cache.crop(-1)
+                calls = Q
+        queries = _take(rec, info, calls, torch.full((Q,), n - 1))
+    return BlockCapture(full=full, logits=logits, candidates=cand, queries=queries)
+
+
 def top_candidates(logits: torch.Tensor, observed: int, k: int = 31,
                    exclude: Sequence[int] = ()) -> list[int]:
     """``[observed]`` followed by the ``k`` highest-logit distinct tokens, skipping ``observed``

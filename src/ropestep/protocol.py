@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import inspect
 import os
 import platform
 import sys
@@ -297,78 +296,34 @@ class ContextCapture:
     observed_full: dict  # layer -> (heads (H, r), o (hidden,)) of the full forward over the block
 
 
-def _rows(rec: dict, calls: int, n: int, H: int, r: int, m: int) -> dict:
-    out = {}
-    for L, d in rec.items():
-        if any(len(v) != calls for v in d.values()):
-            raise RuntimeError(f"layer {L}: hooks fired {({k: len(v) for k, v in d.items()})} "
-                               f"times for {calls} forward passes")
-        x = torch.cat([t.reshape(-1, m) for t in d["x"]]).float().cpu()
-        hd = torch.cat([t.reshape(-1, H, r) for t in d["heads"]]).float().cpu()
-        o = torch.cat([t.reshape(-1, m) for t in d["o"]]).float().cpu()
-        if not x.shape[0] == hd.shape[0] == o.shape[0] == n:
-            raise RuntimeError(f"layer {L}: captured {x.shape[0]} rows, expected {n}")
-        out[L] = Rows(x=x, heads=hd, o=o)
-    return out
-
-
 def capture_context(model: Any, block: Block, layers: Sequence[int], n_queries: int,
                     exclude: Sequence[int]) -> ContextCapture:
-    """One full forward over the block, then the ``Q`` candidates as single-token steps.
+    """One full forward over the block, then the ``Q`` candidates in one batched step
+    (:func:`ropestep.models.capture_block`, the only capture code).
 
-    The full forward (batch 1, eager, KV cache on) gives the bank (positions ``0..L-2``), the
-    observed token's native write at ``L-1`` and the logits at ``L-2`` (causal attention makes
-    them the prefix's own).  The cache is then cut back to the prefix and every candidate --
-    the observed token first -- runs as one step at position ``L-1`` on it (the cache is cut
-    back after each step), so each query sees exactly the prefix and itself.  Equivalent to
-    :func:`ropestep.models.capture_continuations` plus :func:`ropestep.models.capture` up to
-    float32 rounding, with one forward over the block instead of two.
+    The full forward gives the bank (positions ``0..L-2``), the observed token's native write at
+    ``L-1`` and the logits at ``L-2``; every candidate -- the observed token first -- runs at
+    position ``L-1`` on the prefix cache, so each query sees exactly the prefix and itself.
     """
     from . import models
 
-    info = models.describe_model(model.config)
-    H, r, m = info.n_heads, info.head_dim, info.hidden
-    dev = next(model.parameters()).device
-    ids = torch.tensor(block.ids, dtype=torch.long, device=dev)
-    n = ids.numel()
-    observed = int(ids[-1])
-    base = model.model
-    ckw = "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
-    fkw = {}
-    if "logits_to_keep" in inspect.signature(model.forward).parameters:
-        fkw["logits_to_keep"] = 2  # positions L-2 and L-1 only
-    models.disable_tf32()
-    with torch.no_grad():
-        with models._hooks(model, layers) as rec:
-            out = model(input_ids=ids[None], position_ids=torch.arange(n, device=dev)[None],
-                        use_cache=True, **fkw)
-        full = _rows(rec, 1, n, H, r, m)
-        logits = out.logits[0, -2].detach().float().cpu()
-        cache = getattr(out, "cache", None) or getattr(out, "past_key_values", None)
-        if cache is None:
-            raise RuntimeError(f"{info.name}: the forward pass returned no KV cache")
-        cache.crop(-1)  # drop the observed token: the prefix's cache, positions 0..L-2
-        if cache.get_seq_length() != n - 1:
-            raise RuntimeError(f"{info.name}: cache holds {cache.get_seq_length()} positions "
-                               f"after cropping, expected {n - 1}")
-        cand = models.top_candidates(logits, observed, n_queries - 1, exclude=exclude)
-        pos = torch.tensor([[n - 1]], device=dev)
-        with models._hooks(model, layers) as rec:
-            for t in cand:
-                base(input_ids=torch.tensor([[t]], device=dev), position_ids=pos,
-                     use_cache=True, **{ckw: cache})
-                cache.crop(-1)
-        queries = _rows(rec, len(cand), len(cand), H, r, m)
-    prefix = {L: Rows(x=full[L].x[:-1], heads=full[L].heads[:-1], o=full[L].o[:-1]) for L in layers}
-    obs = {L: (full[L].heads[-1].clone(), full[L].o[-1].clone()) for L in layers}
-    return ContextCapture(block=block, observed=observed, candidates=list(cand),
-                          logits=logits.numpy(), prefix=prefix, queries=queries,
+    observed = int(block.ids[-1])
+    bc = models.capture_block(
+        model, torch.tensor(block.ids, dtype=torch.long), layers,
+        lambda logits: models.top_candidates(logits, observed, n_queries - 1, exclude=exclude))
+
+    def rows(c: Any, sl: slice = slice(None)) -> Rows:
+        return Rows(x=c.x[sl].float(), heads=c.heads[sl].float(), o=c.o[sl].float())
+
+    prefix = {L: rows(bc.full[L], slice(None, -1)) for L in layers}
+    obs = {L: (bc.full[L].heads[-1].float().clone(), bc.full[L].o[-1].float().clone())
+           for L in layers}
+    queries = {L: rows(bc.queries[L]) for L in layers}
+    return ContextCapture(block=block, observed=observed, candidates=bc.candidates.tolist(),
+                          logits=bc.logits.float().numpy(), prefix=prefix, queries=queries,
                           observed_full=obs)
 
 
-# ---------------------------------------------------------------------------------------------
-# per context and layer
-# ---------------------------------------------------------------------------------------------
 def _f64(t: torch.Tensor) -> np.ndarray:
     return t.detach().to("cpu", torch.float64).numpy()
 
