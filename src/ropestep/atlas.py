@@ -30,7 +30,6 @@ including its own key) is reported apart and never set beside an input-space num
 from __future__ import annotations
 
 import math
-import os
 import resource
 import sys
 import time
@@ -44,6 +43,7 @@ import torch
 from . import scale, tolerances
 from .dist import broadcast_from_rank0, finish, gather_to_rank0, init_distributed, shard
 from .kernel import augment
+from .provenance import portable_command, portable_config, portable_name
 from .rope import apply_rope
 from .spec import HeadSpec, HeadWeights
 
@@ -533,8 +533,8 @@ def run(cfg: AtlasConfig, *, progress: bool = True, command: Sequence[str] | Non
     env = protocol.environment(cfg.device)
     return {
         "schema": SCHEMA,
-        "command": list(command) if command is not None else None,
-        "config": asdict(cfg),
+        "command": portable_command(list(command) if command is not None else None),
+        "config": portable_config(asdict(cfg)),
         "model": {"name": info.name, "n_layers": info.n_layers, "n_heads": info.n_heads,
                   "n_kv_heads": info.n_kv_heads, "head_dim": info.head_dim,
                   "hidden": info.hidden, **_portable(prov)},
@@ -556,9 +556,8 @@ def run(cfg: AtlasConfig, *, progress: bool = True, command: Sequence[str] | Non
 def _portable(prov: dict) -> dict:
     """Provenance without absolute machine paths: file names and sha256 only."""
     out = dict(prov)
-    src = out.get("source")
-    if src is not None and (os.sep in str(src) or str(src).startswith("~")):
-        out["source"] = Path(str(src)).name
+    for key in ("source", "argument"):
+        out[key] = portable_name(out.get(key))
     return out
 
 

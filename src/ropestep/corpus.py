@@ -33,7 +33,7 @@ from typing import Callable, Iterable, Sequence
 
 import numpy as np
 
-from .provenance import sha256_file  # noqa: F401  (re-exported: corpus provenance)
+from .provenance import portable_name, sha256_file  # noqa: F401  (sha256_file re-exported)
 
 HEADING = re.compile(r"=\s+[^=]+?\s+=")
 
@@ -150,7 +150,7 @@ def load_text_file(path: str | Path) -> Corpus:
         articles = split_text(raw)
         kind = "txt"
     return Corpus(name=str(p), articles=articles,
-                  source={"kind": kind, "path": str(p.resolve()), "sha256": sha256_file(p)})
+                  source={"kind": kind, "path": portable_name(p), "sha256": sha256_file(p)})
 
 
 def load_default() -> Corpus:

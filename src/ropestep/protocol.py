@@ -43,6 +43,7 @@ import torch
 from . import __version__, fast
 from . import reuse_stats as rs
 from .verdict import Failure, finite, worst
+from .provenance import portable_command, portable_config, portable_name
 from .corpus import Block, CorpusError, load_corpus, select_blocks, sha256_file, tokenizer_fn
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -199,7 +200,8 @@ def load(cfg: Config) -> tuple[Any, Any, dict]:
                                        dtype=DTYPES[cfg.dtype], device=cfg.device)
     if tok is None:
         raise ProtocolError(f"{cfg.model}: no tokenizer was found with the model")
-    prov: dict = {"argument": cfg.model, "source": source, "revision": cfg.revision,
+    prov: dict = {"argument": portable_name(cfg.model), "source": portable_name(source),
+                  "revision": cfg.revision,
                   "gguf_file": None, "gguf_sha256": None, "weights_sha256": {},
                   "commit_hash": getattr(model.config, "_commit_hash", None)}
     p = Path(source).expanduser()
@@ -890,9 +892,9 @@ def run(cfg: Config, *, progress: bool = True, command: Sequence[str] | None = N
     paper = is_paper_setup(cfg, layers)
     result = {
         "schema": "ropestep.validate/1",
-        "command": list(command) if command is not None else None,
+        "command": portable_command(list(command) if command is not None else None),
         "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "config": asdict(cfg),
+        "config": portable_config(asdict(cfg)),
         **env,
         "model": {**prov, "model_type": info.model_type, "n_layers": info.n_layers,
                   "hidden": info.hidden, "n_heads": info.n_heads, "n_kv_heads": info.n_kv_heads,
