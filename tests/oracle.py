@@ -4,17 +4,18 @@ from __future__ import annotations
 import mpmath as mp
 import numpy as np
 
-from ropestep import exact
+from ropestep import exact, lowrank
+from ropestep import tolerances as tl
 
 
 def out_scale(E: exact.ExactHead, h: int, i: int) -> mp.mpf:
     """Scale of head h's output at query i: max |v_j| over the permitted set (>= |y|, |mu|)."""
     js = np.flatnonzero(E.mask[i])
-    return max([abs(E.v[h, j, q]) for j in js for q in range(E.spec.r)] + [mp.mpf(1e-300)])
+    return max([abs(E.v[h, j, q]) for j in js for q in range(E.spec.r)] + [mp.mpf(tl.SCALE_GUARD)])
 
 
 def mat_scale(M) -> mp.mpf:
-    return max([abs(x) for x in M] + [mp.mpf(1e-300)])
+    return max([abs(x) for x in M] + [mp.mpf(tl.SCALE_GUARD)])
 
 
 def gauges_for(spec, m: int):
@@ -39,7 +40,7 @@ def top2_gap(E: exact.ExactHead, h: int, i: int) -> float:
 def verify_against_exact(p, gauge="original") -> dict:
     """Max errors of the fast float64 layer against the oracle on problem ``p``:
     ``y`` (softmax output), ``readout`` (mu + u^T dM vs the exact y) and ``matrix`` (dM, relative
-    to its sum-of-absolute-terms scale).  The suite demands each <= 1e-12."""
+    to its sum-of-absolute-terms scale).  The suite demands each <= ``tolerances.FLOAT64_REL``."""
     from ropestep import fast
 
     E = exact.build(*p.args(), bias=p.bias, dps=40)
@@ -54,7 +55,7 @@ def verify_against_exact(p, gauge="original") -> dict:
         mabs = np.array([[float(exact.delta_m_abs(E, h, i, gauge)) for i in range(Q)]
                          for h in range(H)])
         out["matrix"] = float((np.abs(st_.delta_m.numpy() - Me).max(axis=(2, 3))
-                               / np.maximum(mabs, 1e-300)).max())
+                               / np.maximum(mabs, tl.SCALE_GUARD)).max())
         # the identity through the materialised matrix: mu + u^T Delta M against the exact y
         u = np.concatenate([p.x_q, np.ones((p.x_q.shape[0], 1))], 1)
         ro = st_.mu.numpy() + np.einsum("qa,hqar->hqr", u, st_.delta_m.numpy())
@@ -88,7 +89,7 @@ def pairwise_route_abs(E: exact.ExactHead, h: int, i: int) -> float:
 # ---------------------------------------------------------------------------------------------
 # the readout's condition number: fast's kappa, checked against the oracle's
 # ---------------------------------------------------------------------------------------------
-MAXKEY_TIE = 1e-6  # scores this close to the maximum may be the fast layer's j* after rounding
+MAXKEY_TIE = tl.MAXKEY_TIE  # scores this close to the maximum may be fast's j* after rounding
 
 
 def kappa_rel(kf: float, ke) -> float:
@@ -96,14 +97,12 @@ def kappa_rel(kf: float, ke) -> float:
     ``max(ke, tolerances.KAPPA_FLOOR)`` (a kappa below the floor may underflow and moves no
     tolerance).  Both beyond float64's range (``kf`` = inf): 0.  NaN stays NaN (and fails every
     comparison)."""
-    from ropestep import tolerances
-
     kf = float(kf)
     if np.isinf(kf) and kf > 0 and ke > mp.mpf(np.finfo(np.float64).max):
         return 0.0
     if not np.isfinite(kf):
         return float("nan") if np.isnan(kf) else float("inf")
-    return float(abs(mp.mpf(kf) - ke) / max(ke, mp.mpf(tolerances.KAPPA_FLOOR)))
+    return float(abs(mp.mpf(kf) - ke) / max(ke, mp.mpf(tl.KAPPA_FLOOR)))
 
 
 def exact_kappa_near(E: exact.ExactHead, h: int, i: int, gauge, kf: float):
@@ -142,16 +141,14 @@ def check_kappa_agreement(E: exact.ExactHead, st_, gauge) -> tuple[np.ndarray, n
     ``(rel, ke)`` as :func:`kappa_agreement`."""
     import torch
 
-    from ropestep import tolerances
-
     if st_.kappa.dtype != torch.float64:
         raise TypeError("the kappa check compares a float64 step's kappa with the oracle")
     rel, ke = kappa_agreement(E, st_.kappa, gauge)
-    bad = np.argwhere(~(rel <= tolerances.KAPPA_REL))
+    bad = np.argwhere(~(rel <= tl.KAPPA_REL))
     assert bad.size == 0, (
         f"fast kappa disagrees with exact kappa ({gauge_name(gauge)} gauge) at (head, query) "
         f"{tuple(bad[0])}: fast {float(st_.kappa[tuple(bad[0])]):.6e}, exact "
-        f"{ke[tuple(bad[0])]:.6e}, relative {rel[tuple(bad[0])]:.2e} > {tolerances.KAPPA_REL}")
+        f"{ke[tuple(bad[0])]:.6e}, relative {rel[tuple(bad[0])]:.2e} > {tl.KAPPA_REL}")
     return rel, ke
 
 
@@ -161,3 +158,50 @@ def checked_kappa(E: exact.ExactHead, st_, gauge) -> np.ndarray:
     ``st_`` returned the same value (:func:`check_kappa_agreement`) -- a wrong ``Step.kappa``
     fails here instead of silently widening a bound."""
     return check_kappa_agreement(E, st_, gauge)[1]
+
+
+# ---------------------------------------------------------------------------------------------
+# the Gauss-Legendre rule as shipped (lowrank.gl_nodes) against the exact rule
+# ---------------------------------------------------------------------------------------------
+def _legendre(n: int, x):
+    """``(P_n(x), P_{n-1}(x))`` by the three-term recurrence (mpmath)."""
+    p0, p1 = mp.mpf(1), x
+    for k in range(2, n + 1):
+        p0, p1 = p1, ((2 * k - 1) * x * p1 - (k - 1) * p0) / k
+    return (p1, p0) if n >= 1 else (mp.mpf(1), mp.mpf(0))
+
+
+def exact_gl_rule(n: int, dps: int = 40) -> tuple[list, list]:
+    """The ``n``-point Gauss-Legendre rule on ``[0, 1]`` in mpmath: the roots of ``P_n`` by
+    Newton from the shipped float64 nodes, and the weights ``1 / ((1 - x^2) P_n'(x)^2)``."""
+    t64, _ = lowrank.gl_nodes(n)
+    with mp.workdps(dps):
+        ts, ws = [], []
+        for t in t64:
+            x = 2 * mp.mpf(float(t)) - 1
+            if n == 1:
+                ts.append(mp.mpf(1) / 2)
+                ws.append(mp.mpf(1))
+                continue
+            for _ in range(4):  # quadratic convergence from float64 accuracy
+                P, Pm = _legendre(n, x)
+                x = x - P / (n * (x * P - Pm) / (x * x - 1))
+            P, Pm = _legendre(n, x)
+            dP = n * (x * P - Pm) / (x * x - 1)
+            ts.append((x + 1) / 2)
+            ws.append(1 / ((1 - x * x) * dP * dP))
+        return ts, ws
+
+
+def gl_rule_errors(n: int) -> tuple[float, float, float]:
+    """``(node_abs, weight_rel, weight_l1)``: the shipped float64 rule's distance from
+    :func:`exact_gl_rule` -- the nodes' largest absolute error, the weights' largest relative
+    error and the sum of their absolute errors (what ``tolerances.gl_rule_rel`` and
+    ``gl_moment_abs`` take)."""
+    t64, w64 = lowrank.gl_nodes(n)
+    ts, ws = exact_gl_rule(n)
+    with mp.workdps(40):
+        na = max(abs(mp.mpf(float(a)) - b) for a, b in zip(t64, ts))
+        wr = max(abs(mp.mpf(float(a)) - b) / b for a, b in zip(w64, ws))
+        wa = mp.fsum(abs(mp.mpf(float(a)) - b) for a, b in zip(w64, ws))
+        return float(na), float(wr), float(wa)

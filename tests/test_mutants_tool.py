@@ -269,3 +269,41 @@ def test_kills_adapter_layout_and_tables():
     print(f"formula vs model forward: y {err:.2e}, identity readout {err_id:.2e}, "
           f"bound {bound:.2e} (max|s| <= {smax:.1f})")
     assert err <= bound and err_id <= bound
+
+
+def test_kills_rope_helper_arguments():
+    """The RoPE helpers honour ``head`` (per-head bases), ``dtype``, the default derivative order
+    1 and order 0, and convert any array-like input to float64 -- against the mpmath oracle
+    (``exact.rotation``, ``exact.generator``, ``exact.phi1_matrix`` at 40 digits)."""
+    import mpmath as mp
+
+    from ropestep import exact, fast
+    from ropestep.spec import HeadSpec, RoPESpec
+
+    d, p, delta, head, base = 4, 7, 3, 1, 1000.0
+    spec = HeadSpec(2, 1, d, rope=RoPESpec(base=(10.0, base), layout="half"))
+    with mp.workdps(40):
+        A = exact.generator(base, d, "half")
+        R, F = exact.rotation(p, base, d, "half"), exact.phi1_matrix(delta * A)
+    R, A, F = (np.array(M.tolist(), dtype=float) for M in (R, A, F))
+    for dtype, tol in ((torch.float64, tolerances.FLOAT64_REL),
+                       (torch.float32, 4 * float(torch.finfo(torch.float32).eps))):
+        got = (fast.rope_rotation(spec, p, head, dtype), fast.rope_generator(spec, head, dtype),
+               fast.rope_phi1(spec, delta, head, dtype))
+        for g, ref in zip(got, (R, A, F)):
+            assert g.dtype == dtype
+            assert np.abs(g.double().numpy() - ref).max() <= tol * np.abs(ref).max()
+    z0 = [1, -2, 3, 5]  # integers: converted to float64, not kept as int64
+    zv = np.array(z0, dtype=float)
+    for n in (0, 1, 2, None):
+        got = (fast.rope_derivative(spec, z0, p, head=head) if n is None
+               else fast.rope_derivative(spec, z0, p, n, head))
+        want = np.linalg.matrix_power(A, 1 if n is None else n) @ R @ zv
+        assert got.dtype == torch.float64
+        assert np.abs(got.numpy() - want).max() <= tolerances.FLOAT64_REL * np.abs(want).max()
+    fd = fast.rope_finite_difference(spec, zv.astype(np.float32), delta, head)
+    want = delta * A @ F @ zv
+    assert fd.dtype == torch.float64
+    assert np.abs(fd.numpy() - want).max() <= tolerances.FLOAT64_REL * np.abs(want).max()
+    with pytest.raises(ValueError, match=r"^derivative order must be >= 0, got -1$"):
+        fast.rope_derivative(spec, z0, p, -1, head)

@@ -1,6 +1,6 @@
 """Mutation checks: each deliberately wrong formula must be caught by the suite's own checks.
 
-Every test first runs the check on the correct code (it passes: errors <= 1e-12), then swaps
+Every test first runs the check on the correct code (it passes: errors <= FLOAT64_REL), then swaps
 one formula of the fast layer for a wrong one and shows the same check fails.  If a mutant
 survived, the corresponding property tests could not fail either.
 """

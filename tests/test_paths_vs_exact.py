@@ -34,7 +34,7 @@ import mpmath as mp
 import numpy as np
 import pytest
 import torch
-from hypothesis import event, example, given, settings
+from hypothesis import currently_in_test_context, event, example, given, settings
 from hypothesis import strategies as st
 
 from ropestep import exact, fast, kernel, lowrank, scale
@@ -51,9 +51,7 @@ LOW = (torch.float32, torch.bfloat16)
 
 def note(msg: str) -> None:
     """A hypothesis event inside a property, nothing outside one (the pinned cases)."""
-    from hypothesis.control import _current_build_context
-
-    if _current_build_context.value is not None:
+    if currently_in_test_context():
         event(msg)
 
 
@@ -172,7 +170,11 @@ def route_scales(E, h, i, gauge, route, kbar=None, vbar=None, labs=None, anchor=
     ``route="direct"`` is the per-query form (``fast.step``, and the streamed path's short
     prefixes): terms ``|c_j| [|k~_j - k_o|; |beta_j - beta_o|] (|v_j - mu| + |v_j| + |v-bar|)``
     -- the oracle's ``exact.kappa`` (docs/math.md section 9), plus ``|v-bar|`` when the values
-    are first centred on ``v-bar`` (pass ``vbar=None`` otherwise).  ``route="gemm"`` is the
+    are first centred on ``v-bar`` (pass ``vbar=None`` otherwise) -- and in every route plus
+    the sizes of the keys and biases themselves (``|k~_j| + |k_o|``, ``|beta_j| + |beta_o|``):
+    they are computed (projected, normalised, rotated) with an error relative to their own
+    size, which a near-cancelling difference (equal keys at one position, a max-key near-tie)
+    does not shrink -- as ``|v_j|`` accounts for the centred values.  ``route="gemm"`` is the
     streamed key-block form ``T = sum_j c_j k^_j v^_j^T - (C K^)(mu - v-bar)^T + (k-bar - k_o)
     w^T`` with ``k^ = k~ - k-bar``, ``v^ = v - v-bar``: every key factor is then at most
     ``|k~_j - k-bar| + |k-bar - k_o|`` and every value factor ``|v_j - v-bar| + |mu - v-bar|``,
@@ -203,20 +205,25 @@ def route_scales(E, h, i, gauge, route, kbar=None, vbar=None, labs=None, anchor=
                      for k in perm}
                 W = [mp.fsum(D[k] * (a[j][c] + a[k][c]) for k in perm) / n for c in range(r)]
                 W1 = [mp.fsum(a[j][c] + a[k][c] for k in perm) / n for c in range(r)]
-                terms.append((mp.mpf(1), [abs(E.k[h, j][p] - kbar[p]) for p in range(d)],
+                terms.append((mp.mpf(1), [abs(E.k[h, j][p] - kbar[p]) + abs(E.k[h, j][p])
+                                          + abs(kbar[p]) for p in range(d)],
                               abs(E.beta[h, i, j]), W, W1))
         else:
             c, ko, bo = key_gauge(E, h, i, gauge, anchor)
             for j in perm:
                 vj = E.v[h, j]
+                # the keys, biases and values are themselves rounded at their own size
+                own = [abs(E.k[h, j][p]) + abs(ko[p]) for p in range(d)]
                 if route == "direct":
-                    K = [abs(E.k[h, j][p] - ko[p]) for p in range(d)]
+                    K = [abs(E.k[h, j][p] - ko[p]) + own[p] for p in range(d)]
                     V = [abs(vj[x] - mu[x]) + abs(vj[x]) + vb[x] for x in range(r)]
                 else:
-                    K = [abs(E.k[h, j][p] - kbar[p]) + abs(kbar[p] - ko[p]) for p in range(d)]
+                    K = [abs(E.k[h, j][p] - kbar[p]) + abs(kbar[p] - ko[p]) + own[p]
+                         + abs(kbar[p]) for p in range(d)]
                     V = [abs(vj[x] - vbv[x]) + abs(mu[x] - vbv[x]) + abs(vj[x]) + vb[x]
                          for x in range(r)]
-                terms.append((abs(c[j]), K, abs(E.beta[h, i, j] - bo), V, V))
+                B = abs(E.beta[h, i, j] - bo) + abs(E.beta[h, i, j]) + abs(bo)
+                terms.append((abs(c[j]), K, B, V, V))
         kap = mp.fsum(w * (mp.fsum(abs(q[p]) * K[p] for p in range(d)) + B) * max(V)
                       for w, K, B, V, _ in terms)
         tiny = mp.mpf(float(np.finfo(np.float64).tiny))
@@ -235,7 +242,9 @@ def route_scales(E, h, i, gauge, route, kbar=None, vbar=None, labs=None, anchor=
 def score_facts(E, h, i):
     """``(max|s|, spread, abs_dot, top-2 gap)`` over the permitted set, from the oracle:
     ``abs_dot = max_j |q| . |k~_j| + |beta_j|`` is the size of the products a score is summed
-    from (its rounding scale)."""
+    from -- its rounding scale.  The checks pass it where the tolerances take the scores' size
+    (``score_max``): ``abs_dot >= max|s|``, and a score's rounding is relative to it, which can
+    exceed ``|s|`` many times when the products cancel (large weights, moderate scores)."""
     with mp.workprec(E.prec):
         perm = perm_of(E, i)
         s = sorted((E.s[h, i, j] for j in perm), reverse=True)
@@ -495,11 +504,15 @@ def check_scale(p, run: ScaleRun, dtype=torch.float64) -> dict:
     ratios (asserted <= 1).
 
     float64: ``y``, ``mu`` to ``FLOAT64_REL`` of the value scale; the readout to
-    ``readout_bound`` with the route's condition number (plus ``tol kappa`` for the low-rank
-    rule: every kernel entry within ``tol`` relative moves the Laplacian sum by at most ``tol``
-    times its terms); ``T``, ``b``, ``Delta M`` to ``FLOAT64_REL`` (plus ``tol``) of their
-    absolute-term size.  float32/bfloat16: ``K_LOW`` times the naive 24-bit error plus the
-    floor, on the same rounded inputs.  Max-key matrices only where ``j*`` is unambiguous.
+    ``readout_bound`` with the route's condition number (:func:`route_scales`; plus ``e kappa``
+    for the low-rank rule, ``e`` the chunk's per-entry kernel accuracy :func:`lowrank_entry_rel`:
+    every kernel entry within ``e`` relative moves the Laplacian sum by at most ``e`` times its
+    terms); ``T``, ``b``, ``Delta M`` to ``FLOAT64_REL`` (plus ``e``) of their absolute-term
+    size.  float32/bfloat16: ``K_LOW`` times the naive 24-bit error plus the floor, on the same
+    rounded inputs.  Max-key matrices only where ``j*`` is unambiguous.  Refusals are checked
+    to be the documented ones (coefficient overflow, certified by the oracle's ``kappa``; a
+    spread needing more than ``N_MAX`` nodes).  Key gauges in float64 also compare the
+    per-chunk ``s``, ``c``, ``kappa`` outputs (:func:`stream_outputs`).
     """
     spec = p.spec
     N, m = p.x_kv.shape
@@ -559,7 +572,8 @@ def check_scale(p, run: ScaleRun, dtype=torch.float64) -> dict:
         kbar, vbar = global_means(E, h)
         for a, i in enumerate(queries):
             perm = perm_of(E, i)
-            smax, spread, absdot, gap = score_facts(E, h, i)
+            _, spread, absdot, gap = score_facts(E, h, i)
+            smax = absdot  # the scores' rounding scale (score_facts)
             route = "direct" if (g != "pairwise" and len(perm) <= run.direct_keys) else "gemm"
             labs = abs_lmap(spec, w_in, h, int(p.pos_kv[i])) if spec.affine else None
             thr = tie_threshold(dtype, E, absdot)
@@ -643,10 +657,12 @@ def check_scale(p, run: ScaleRun, dtype=torch.float64) -> dict:
     return ratios
 
 
-SCALE_PINS = [(q, ScaleRun(gauge=g, budget=b, key_rows=1, direct_keys=dk))
+SCALE_PINS = [(q, ScaleRun(gauge=g, budget=b, key_rows=1, direct_keys=dk,
+                           queries_per_chunk=1 if b == "tiny" else 2))
               for q in pinned_layers()
               for g, b, dk in (("original", "tiny", 0), ("maxkey", "tiny", 2),
-                               ("pairwise-lowrank", "small", 64), ("pairwise-exact", "tiny", 0))
+                               ("pairwise-lowrank", "small", 64), ("pairwise-lowrank", "tiny", 0),
+                               ("pairwise-exact", "tiny", 0))
               if not (g.startswith("pairwise") and q.spec.softcap is not None)]
 
 
@@ -720,9 +736,9 @@ def check_rule(spread: float, tol: float) -> dict:
     floor64 = tl.gl_rule_rel(tol, spread, n, na, wr, torch.float64)
     for delta in {spread, -spread, spread / 2, -spread / 2}:
         e_exact = rule_rel_error(ts, ws, delta)
-        ratios["exact_rule"] = max(ratios.get("exact_rule", 0.0),
-                                   float(e_exact / (b_mp * (1 + tl.FLOAT64_REL)))
-                                   if b_mp > 0 else float(e_exact > mp.eps))
+        with mp.workdps(RULE_DPS):  # the mpmath sum of n terms rounds at (n + 8) eps itself
+            ratios["exact_rule"] = max(ratios.get("exact_rule", 0.0), float(
+                e_exact / (b_mp * (1 + tl.FLOAT64_REL) + (n + 8) * mp.eps)))
         e_ship = rule_rel_error([float(t) for t in t64], [float(w) for w in w64], delta)
         ratios["shipped_exact_sum"] = max(ratios.get("shipped_exact_sum", 0.0),
                                           float(e_ship / shipped))
@@ -847,7 +863,7 @@ def check_reuse(p, anchor: int = 0) -> dict:
                 perm = perm_of(E, i)
                 ci, _ = exact.coefficients(E, h, i)
                 S = max(abs(E.v[h, j, x]) for j in perm for x in range(r))
-                smax = max(score_facts(E, h, i)[0], score_facts(E, h, anchor)[0])
+                smax = max(score_facts(E, h, i)[2], score_facts(E, h, anchor)[2])
                 q = E.q[h, i]
                 A = {j: mp.fsum(abs(a) * abs(b) for a, b in zip(q, E.k[h, j]))
                      + abs(E.beta[h, i, j]) for j in perm}
@@ -978,8 +994,9 @@ def check_descent(p, gauge) -> dict:
     with an ambiguous ``j*`` skipped: another anchor is another, equally valid, gauge).
 
     Error sizes (first order, all from the oracle's quantities; ``hat k_j = [k~_j - k_o;
-    beta_j - beta_o]``, ``hat L = [L_i | e_{m+1}]``): ``lambda_max`` of ``hat L G hat L^T``
-    (``G = sum_j c_j hat k_j hat k_j^T``) within ``descent_bound`` of ``||hat L||_F^2 tr G``
+    beta_j - beta_o]``, ``hat L = [L_i | e_{m+1}]``; ``|hat k_j|`` counts the keys' and biases'
+    own sizes as in :func:`route_scales`): ``lambda_max`` of ``hat L G hat L^T``
+    (``G = sum_j c_j hat k_j hat k_j^T``) within ``descent_bound`` of ``||hat L||_F^2 tr |G|``
     (>= lambda_max); ``E(0) = 1/2 sum_j c_j ||v_j - mu||^2`` of ``1/2 sum_j c_j || |v_j - mu|
     + |v_j| + |mu| ||^2``; ``E(Delta M)`` of ``sum_j c_j sum_q |res_jq| rho_jq`` plus the
     second-order ``1/2 sum_j c_j ||rho_j||^2`` times the bound's factor squared, with ``res_j =
@@ -997,7 +1014,16 @@ def check_descent(p, gauge) -> dict:
         assert gauge == "original"
         refused_certified(E, range(H), range(Q), gauge, torch.float64)
         return {"refused": 1.0}
-    dc = fast.descent(st_)
+    fmax = mp.mpf(float(np.finfo(np.float64).max))
+    try:
+        dc = fast.descent(st_)
+    except torch.linalg.LinAlgError:
+        # known defect (test_descent_overflow_is_reported_not_a_linalg_error, strict xfail):
+        # where lambda_max exceeds float64's range the eigensolver meets inf and raises this
+        # instead of a FloatingPointError, inf or nan.  Accepted only there:
+        assert max(exact.lam_max(E, h, i, gauge) for h in range(H) for i in range(Q)) > fmax
+        note("descent: lambda_max beyond float64, LinAlgError (known defect)")
+        return {"refused": 1.0}
     ratios: dict = {}
     tiny = mp.mpf(float(np.finfo(np.float64).tiny))  # a coefficient may underflow
 
@@ -1008,12 +1034,18 @@ def check_descent(p, gauge) -> dict:
     with mp.workprec(E.prec):
         for h in range(H):
             for i in range(Q):
-                smax, _, absdot, gap = score_facts(E, h, i)
+                _, _, absdot, gap = score_facts(E, h, i)
+                smax = absdot  # the scores' rounding scale (score_facts)
                 if gauge == "maxkey" and gap <= tie_threshold(torch.float64, E, absdot):
                     continue
                 perm = perm_of(E, i)
                 c, ko, bo = key_gauge(E, h, i, gauge)
                 kh = {j: [E.k[h, j][x] - ko[x] for x in range(d)] + [E.beta[h, i, j] - bo]
+                      for j in perm}
+                # their sizes, with the keys' and biases' own (route_scales)
+                ka = {j: [abs(E.k[h, j][x] - ko[x]) + abs(E.k[h, j][x]) + abs(ko[x])
+                          for x in range(d)]
+                      + [abs(E.beta[h, i, j] - bo) + abs(E.beta[h, i, j]) + abs(bo)]
                       for j in perm}
                 L = E.extras["L"][h, i]
                 Lh = mp.matrix(m + 1, d + 1)
@@ -1022,9 +1054,12 @@ def check_descent(p, gauge) -> dict:
                         Lh[a, b] = L[a, b]
                 Lh[m, d] = 1
                 Lh_f2 = mp.fsum(x * x for x in Lh)
-                trG = mp.fsum(c[j] * mp.fsum(x * x for x in kh[j]) for j in perm)
-                trG1 = mp.fsum(mp.fsum(x * x for x in kh[j]) for j in perm)  # unit weights
+                trG = mp.fsum(c[j] * mp.fsum(x * x for x in ka[j]) for j in perm)
+                trG1 = mp.fsum(mp.fsum(x * x for x in ka[j]) for j in perm)  # unit weights
                 lam = exact.lam_max(E, h, i, gauge)
+                if lam > fmax:  # beyond float64: inf or nan (reported, not a finite lie)
+                    assert not math.isfinite(float(dc.lam_max[h, i])), float(dc.lam_max[h, i])
+                    continue
                 worst("lam_max", abs(mp.mpf(float(dc.lam_max[h, i])) - lam),
                       tl.descent_bound(torch.float64, Lh_f2 * trG, N, d, m, smax)
                       + tiny * Lh_f2 * trG1)
@@ -1044,7 +1079,7 @@ def check_descent(p, gauge) -> dict:
                 for j in perm:
                     for a in range(d + 1):
                         for x in range(r):
-                            tabs[a, x] += abs(c[j]) * abs(kh[j][a]) * Vt[j][x]
+                            tabs[a, x] += abs(c[j]) * ka[j][a] * Vt[j][x]
                 LL = mp.matrix([[abs(Lh[a, b]) for b in range(d + 1)] for a in range(m + 1)])
                 G2 = LL.T * LL * tabs  # |hat L|^T |hat L| Tabs, (d+1) x r
                 s1 = s2 = s1_1 = mp.mpf(0)
@@ -1055,17 +1090,20 @@ def check_descent(p, gauge) -> dict:
                     for x in range(r):
                         res = mp.fsum(a_j[a] * M[a, x] for a in range(m + 1)) - (
                             E.v[h, j, x] - mu[x])
-                        rho = mp.fsum(abs(kh[j][a]) * G2[a, x] for a in range(d + 1)) + \
+                        rho = mp.fsum(ka[j][a] * G2[a, x] for a in range(d + 1)) + \
                             abs(E.v[h, j, x]) + abs(mu[x])
                         s1 += c[j] * abs(res) * rho
                         s2 += c[j] * rho * rho / 2
                         s1_1 += (abs(res) + rho) * rho
                 f = tl.descent_bound(torch.float64, 1.0, N, d, m, smax)
-                if e1 > mp.mpf(np.finfo(np.float64).max):  # beyond float64: must overflow
-                    assert float(dc.e1[h, i]) > np.finfo(np.float64).max / 2
+                b1 = f * s1 + f * f * s2 + tiny * s1_1
+                if e1 > fmax:  # beyond float64: inf or nan (reported, not a finite lie)
+                    assert not math.isfinite(float(dc.e1[h, i])), float(dc.e1[h, i])
                     continue
-                worst("E1", abs(mp.mpf(float(dc.e1[h, i])) - e1),
-                      f * s1 + f * f * s2 + tiny * s1_1)
+                if b1 > fmax:  # the bound is vacuous: any float, inf included, is within it
+                    note("descent: vacuous E1 bound (the residual cancels beyond float64)")
+                    continue
+                worst("E1", abs(mp.mpf(float(dc.e1[h, i])) - e1), b1)
                 if lam < 2:  # the unit step cannot increase E (a theorem, in mpmath)
                     worst("descends", max(mp.mpf(0), e1 - e0), mp.eps * (abs(e0) + 1))
     report(f"descent {gauge} {p.label or 'drawn'}", ratios)
@@ -1082,8 +1120,29 @@ def check_descent(p, gauge) -> dict:
 @example(p=make_problem(label="single key", N=1))
 @example(p=make_problem(label="bias-only queries", bias_only=True, N=5))
 @example(p=with_bias(make_problem(label="very negative", N=5, amp=0.3), "const", amp=-800.0))
+@example(p=with_bias(make_problem(N=1, H=1, Hk=1, zero_query=True, label="lambda ~ 1e309"),
+                     "const", amp=-705.0))
 def test_descent_vs_exact(p, gauge):
     check_descent(p, gauge)
+
+
+@pytest.mark.xfail(strict=True, raises=torch.linalg.LinAlgError, reason=(
+    "fast.descent on a query whose lambda_max exceeds float64's range (one key, score -705: "
+    "c = e^705/705, |a|^2 = 705^2, lambda ~ 1.06e309) feeds inf to torch.linalg.eigvalsh and "
+    "raises its LinAlgError ('failed to converge ... ill-conditioned') -- on other such inputs "
+    "it returns nan -- instead of reporting inf or raising the FloatingPointError the other "
+    "non-finite paths raise"))
+def test_descent_overflow_is_reported_not_a_linalg_error():
+    p = with_bias(make_problem(N=1, H=1, Hk=1, zero_query=True, label="single key, s = -705"),
+                  "const", amp=-705.0)
+    E = exact.build(*p.args(), bias=p.bias, dps=DPS)
+    assert exact.lam_max(E, 0, 0) > mp.mpf(float(np.finfo(np.float64).max))
+    st_ = fast.step(*p.args(), bias=p.bias, delta_m=True)
+    try:
+        dc = fast.descent(st_)
+    except FloatingPointError:
+        return
+    assert float(dc.lam_max[0, 0]) == math.inf
 
 
 def test_descent_and_reuse_refuse_other_gauges():

@@ -3,20 +3,22 @@
 Oracles are independent of the code under test: the model's own forward (hooks), ``nn.Linear``
 applied directly, and a few-line float64 attention written here (``reference_heads``).
 
-Tolerances (u = 2^-24, the float32 unit roundoff):
+Tolerances (u = 2^-24, the float32 unit roundoff), all from :mod:`ropestep.tolerances`, where
+each is derived and its power shown (tests/test_tolerance_power.py):
 
 * ``o_proj``: ``o = heads @ W_o^T`` is one float32 dot product of length K = H*r per entry.  The
   probabilistic rounding-error bound of Higham & Mary (SIAM J. Sci. Comput. 41(5), 2019, Thm 3.1)
   gives ``|fl(o) - o| <= lambda * sqrt(K) * u * (|heads| @ |W_o^T|)`` with probability at least
-  ``1 - 2 K exp(-lambda^2 (1-u)^2 / 2)`` per entry; lambda = 8 makes that ~1e-10 per entry.  (The
-  deterministic worst case replaces lambda*sqrt(K) by K.)
+  ``1 - 2 K exp(-lambda^2 (1-u)^2 / 2)`` per entry; lambda = ``HM_LAMBDA`` = 8 makes that ~1e-10
+  per entry.  (The deterministic worst case replaces lambda*sqrt(K) by K.)
 * attention heads: the captured float32 heads and a naive float32 evaluation of the same formula
   (``reference_heads`` in float32 on the same float32 inputs, weights and tables) are two float32
   evaluations of one sequence of operations that differ only in summation order and bias fusion,
   so their errors against float64 are of the same size (measured ratio 0.97-1.04 here).  We
-  require ``err(captured) <= 2 * err(naive float32) + 4 u max|y|`` (docs/math.md section 9: k times the
-  same-dtype naive error plus a one-rounding floor).  The float64-table mutation moves the angles
-  by ~p*u and must exceed that bound; wrong GQA grouping or pair layout must exceed it 1000-fold.
+  require ``err(captured) <= CAPTURE_K * err(naive float32) + CAPTURE_FLOOR u max|y|`` (2 and 4;
+  docs/math.md section 9: k times the same-dtype naive error plus a floor of a few roundings).
+  The float64-table mutation moves the angles by ~p*u and must exceed that bound; wrong GQA
+  grouping or pair layout must exceed it ``DETECT_FACTOR`` (1000) fold.
 """
 from __future__ import annotations
 
@@ -31,14 +33,15 @@ import torch
 pytest.importorskip("transformers")
 
 from ropestep import models  # noqa: E402
+from ropestep import tolerances as tl  # noqa: E402
 from ropestep.models import ModelLoadError, UnsupportedModelError  # noqa: E402
 
 pytestmark = pytest.mark.model
 
 TINY_N = 512  # length of the fixtures' test sequences (conftest.TINY_N)
-U32 = 2.0 ** -24  # float32 unit roundoff
-LAMBDA = 8.0  # Higham-Mary probabilistic bound multiplier (see module docstring)
-K_NAIVE = 2.0  # captured error may be this many times the naive float32 error
+U32 = tl.unit_roundoff(torch.float32)  # float32 unit roundoff
+LAMBDA = tl.HM_LAMBDA  # Higham-Mary probabilistic bound multiplier (see module docstring)
+K_NAIVE = tl.CAPTURE_K  # captured error may be this many times the naive float32 error
 
 
 # ---------------------------------------------------------------------------------------------
@@ -96,7 +99,7 @@ def _analytic_tables(spec, n):
 
 def _reference_errors(fx, layer):
     """Max |captured heads - float64 reference| for the correct reference and three mutations,
-    and the derived bound ``K_NAIVE * err(naive float32) + 4 u max|y|``."""
+    and the derived bound ``K_NAIVE * err(naive float32) + CAPTURE_FLOOR u max|y|``."""
     cap = fx.caps[layer]
     n = cap.x.shape[0]
     spec, w64 = models.layer_head(fx.model, layer, n)
@@ -116,7 +119,7 @@ def _reference_errors(fx, layer):
     }
     err = {k: (cap.heads.double() - v).abs().max().item() for k, v in variants.items()}
     err_naive = (naive.double() - y64).abs().max().item()
-    bound = K_NAIVE * err_naive + 4 * U32 * y64.abs().max().item()
+    bound = K_NAIVE * err_naive + tl.CAPTURE_FLOOR * U32 * y64.abs().max().item()
     print(f"layer {layer}: naive float32 err {err_naive:.3e}, bound {bound:.3e}; captured vs "
           + ", ".join(f"{k} {v:.3e}" for k, v in err.items()))
     return err, bound
@@ -324,10 +327,11 @@ def test_math_layout_matches_linear_layers(which, request):
                                 ("v", w.w_v, w.b_v, Hk)):
         ours = torch.einsum("nm,mhd->nhd", x, wt) + (0 if bt is None else bt)
         theirs = lin(getattr(attn, f"{name}_proj"), x).view(5, heads, d)
-        torch.testing.assert_close(ours, theirs, rtol=1e-13, atol=1e-13)
+        torch.testing.assert_close(ours, theirs, rtol=tl.LINEAR64_TOL, atol=tl.LINEAR64_TOL)
     y = torch.randn(5, H, d, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
     torch.testing.assert_close(torch.einsum("nhr,hrm->nm", y, w.w_o),
-                               lin(attn.o_proj, y.reshape(5, H * d)), rtol=1e-13, atol=1e-13)
+                               lin(attn.o_proj, y.reshape(5, H * d)), rtol=tl.LINEAR64_TOL,
+                               atol=tl.LINEAR64_TOL)
     assert spec.scale == attn.scaling == d ** -0.5 and spec.group == attn.num_key_value_groups
     _, w32 = models.layer_head(model, layer, 16, dtype=torch.float32)
     assert w32.w_q.dtype == torch.float32 and torch.equal(w32.w_q.double(), w.w_q)
@@ -362,13 +366,14 @@ def test_rope_tables_are_the_models_own(which, request):
     assert torch.equal(torch.cat([sin, sin], -1), sin_f.double())
     tc, ts = models.rope_tables(model, n)
     assert tc.dtype == torch.float32 and torch.equal(tc.double(), cos)
-    # A float64 recomputation differs at the float32-rounding level (~1e-5 at position 511).
+    # A float64 recomputation differs at the float32-rounding level (~1e-5 at position 511):
+    # really different, and within the derived bound of float32 angles and cos/sin.
     d = spec.head_dim
     ang = torch.arange(n, dtype=torch.float64)[:, None] * (
         spec.rope.base ** (-torch.arange(0, d, 2, dtype=torch.float64) / d))
     diff = max((torch.cos(ang) - cos).abs().max().item(), (torch.sin(ang) - sin).abs().max().item())
     print(f"{which}: max |float64 table - model table| = {diff:.3e}")
-    assert 1e-7 < diff < 1e-4
+    assert tl.TABLES_DIFFER_ABS < diff <= tl.rope_table_abs(n)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -478,8 +483,10 @@ def test_mutations_break_the_reference(which, layer, tables_visible, request):
     fx = request.getfixturevalue(which)
     err, bound = _reference_errors(fx, layer)
     if tables_visible:
-        assert err["float64 tables"] > bound and err["float64 tables"] > 3 * err["model tables"]
-    assert err["h % n_kv"] > 1e3 * bound and err["interleaved"] > 1e3 * bound
+        assert err["float64 tables"] > bound
+        assert err["float64 tables"] > tl.TABLES_VISIBLE * err["model tables"]
+    assert err["h % n_kv"] > tl.DETECT_FACTOR * bound
+    assert err["interleaved"] > tl.DETECT_FACTOR * bound
 
 
 # ---------------------------------------------------------------------------------------------
@@ -521,18 +528,18 @@ def test_continuations_match_full_forward(which, n, request):
     # Full forwards over prefix + [candidate] for the observed token and the top-logit token.
     # Tolerance: the two are float32 evaluations of the same function with different matmul
     # shapes (one query row vs n); each residual block adds a few u of relative noise, so we
-    # allow 64 u per block traversed, relative to the activation scale.
+    # allow CONT_ULPS_PER_BLOCK (16) u per block traversed, relative to the activation scale.
     for i in (0, 1):
         ids = torch.cat([prefix, cont.candidates[i:i + 1]])
         xs, logits = _full_forward(model, ids, L)
         for layer, xf in xs.items():
-            tol = 64 * (layer + 1) * U32 * xf.abs().max().item()
+            tol = tl.CONT_ULPS_PER_BLOCK * (layer + 1) * U32 * xf.abs().max().item()
             err_x = (xf[-1] - cont.queries[layer].x[i]).abs().max().item()
             err_b = (xf[:-1] - cont.prefix[layer].x).abs().max().item()
             print(f"{which} cand {i} layer {layer}: |x_full - x_step| {err_x:.2e} "
                   f"(tol {tol:.2e}), bank {err_b:.2e}")
             assert err_x <= tol and err_b <= tol
-        lg_tol = 64 * info.n_layers * U32 * logits[-2].abs().max().item()
+        lg_tol = tl.CONT_ULPS_PER_BLOCK * info.n_layers * U32 * logits[-2].abs().max().item()
         lg_err = (logits[-2] - cont.logits).abs().max().item()
         print(f"{which}: |logits_full[-2] - prefix logits| {lg_err:.2e} (tol {lg_tol:.2e})")
         assert lg_err <= lg_tol
@@ -548,7 +555,8 @@ def test_captures_keep_the_model_dtype(tiny_qwen2):
     assert cont.queries[1].heads.dtype == cont.logits.dtype == torch.float64
     # same function: float32 and float64 captures agree to float32 accuracy
     cap32 = models.capture(tiny_qwen2.model, tiny_qwen2.ids[:16], [1])[1]
-    assert (cap32.heads.double() - cap.heads).abs().max() < 1e-4 * cap.heads.abs().max()
+    assert (cap32.heads.double() - cap.heads).abs().max() <= \
+        tl.CAPTURE_DTYPE_REL * cap.heads.abs().max()
 
 
 def test_continuations_accept_a_token_list(tiny_qwen2):
