@@ -63,6 +63,19 @@ def _dot(a: Sequence, b: Sequence):
     return mp.fsum(x * y for x, y in zip(a, b))
 
 
+def _seqsum(terms) -> mp.mpf:
+    """Left-to-right sum rounded after every addition (the working precision's), as a float
+    implementation adds -- unlike ``mp.fsum``, which rounds a sum once."""
+    tot = mp.mpf(0)
+    for t in terms:
+        tot = tot + t
+    return tot
+
+
+def _seqdot(a: Sequence, b: Sequence):
+    return _seqsum(x * y for x, y in zip(a, b))
+
+
 # ---------------------------------------------------------------------------------------------
 # phi_1
 # ---------------------------------------------------------------------------------------------
@@ -236,11 +249,15 @@ def build_rounded(spec: HeadSpec, weights: HeadWeights, x_q: Any, pos_q: Any, x_
     measured against: the paper's explicit formula, rounded at every operation like a float
     implementation would be.
     """
-    return _build(spec, weights, x_q, pos_q, x_kv, pos_kv, mask, bias, int(prec))
+    return _build(spec, weights, x_q, pos_q, x_kv, pos_kv, mask, bias, int(prec), rounded=True)
 
 
 def _build(spec: HeadSpec, weights: HeadWeights, x_q: Any, pos_q: Any, x_kv: Any, pos_kv: Any,
-           mask: Any, bias: Any, prec: int) -> ExactHead:
+           mask: Any, bias: Any, prec: int, rounded: bool = False) -> ExactHead:
+    # the oracle sums exactly and rounds once (mp.fsum); the rounded reference adds term by
+    # term, rounding after every addition, as float32/float64 code does
+    fsum = _seqsum if rounded else mp.fsum
+    _dot_ = _seqdot if rounded else _dot
     Qn, Nn = int(np.shape(x_q)[0]), int(np.shape(x_kv)[0])
     mask = resolve_mask(mask, pos_q, pos_kv, Qn, Nn)
     Q, N, m = check_inputs(spec, weights, x_q, pos_q, x_kv, pos_kv, mask, bias)
@@ -276,12 +293,12 @@ def _build(spec: HeadSpec, weights: HeadWeights, x_q: Any, pos_q: Any, x_kv: Any
             return rotation(p, bases[h], d, spec.rope.layout)
 
         def rms(vec, w):
-            ms = mp.fsum(x * x for x in vec) / len(vec)
+            ms = fsum(x * x for x in vec) / len(vec)
             inv = 1 / mp.sqrt(ms + mp.mpf(spec.norm_eps))
             return [x * inv * wi for x, wi in zip(vec, w)]
 
         def unit(vec):
-            n = mp.sqrt(mp.fsum(x * x for x in vec))
+            n = mp.sqrt(fsum(x * x for x in vec))
             if n == 0:
                 raise ValueError("cosine family: a vector has zero norm and cannot be normalised")
             return [x / n for x in vec]
@@ -313,15 +330,15 @@ def _build(spec: HeadSpec, weights: HeadWeights, x_q: Any, pos_q: Any, x_kv: Any
             # keys and values of this head's KV group, rotated with this head's base
             Rk = {}
             for j in range(N):
-                kraw = [_dot(Uk[j], Wk[:, g, c]) for c in range(d)]
+                kraw = [_dot_(Uk[j], Wk[:, g, c]) for c in range(d)]
                 kvec = mp.matrix(normed(kraw, kn))
                 Rk.setdefault(pk[j], rot(int(pk[j]), h))
                 kt = Rk[pk[j]] * kvec  # column form: k~^T = R(p) k^T
                 k_all[h, j] = [kt[c] for c in range(d)]
-                v_all[h, j] = [_dot(Uk[j], Wv[:, g, c]) for c in range(r)]
+                v_all[h, j] = [_dot_(Uk[j], Wv[:, g, c]) for c in range(r)]
             for i in range(Q):
                 Rq = rot(int(pq[i]), h)
-                qraw = [_dot(U[i], Wq[:, h, c]) for c in range(d)]
+                qraw = [_dot_(U[i], Wq[:, h, c]) for c in range(d)]
                 qt = Rq * mp.matrix(normed(qraw, qn))
                 q_all[h, i] = [qt[c] * sc for c in range(d)]
                 if affine:
@@ -339,7 +356,7 @@ def _build(spec: HeadSpec, weights: HeadWeights, x_q: Any, pos_q: Any, x_kv: Any
                     if extra is not None:
                         bij += extra[h, i, j]
                     beta[h, i, j] = bij
-                    s[h, i, j] = _dot(q_all[h, i], k_all[h, j]) + bij
+                    s[h, i, j] = _dot_(q_all[h, i], k_all[h, j]) + bij
                     if affine:
                         a = L * mp.matrix(list(k_all[h, j]))
                         feats[h, i, j] = [a[c] for c in range(m + 1)]
@@ -348,13 +365,13 @@ def _build(spec: HeadSpec, weights: HeadWeights, x_q: Any, pos_q: Any, x_kv: Any
                         feats[h, i, j] = list(k_all[h, j]) + [bij]
                 perm = np.flatnonzero(mask[i])
                 z = {j: score_transform(s[h, i, j], spec.softcap) for j in perm}
-                Zi = mp.fsum(mp.exp(z[j]) for j in perm)
+                Zi = fsum(mp.exp(z[j]) for j in perm)
                 Z[h, i] = Zi
                 for c in range(r):
-                    y[h, i, c] = mp.fsum(mp.exp(z[j]) * v_all[h, j, c] for j in perm) / Zi
-                    mu[h, i, c] = mp.fsum(v_all[h, j, c] for j in perm) / len(perm)
+                    y[h, i, c] = fsum(mp.exp(z[j]) * v_all[h, j, c] for j in perm) / Zi
+                    mu[h, i, c] = fsum(v_all[h, j, c] for j in perm) / len(perm)
         return ExactHead(spec, mask, u_all, feats, q_all, k_all, v_all, beta, s, y, mu, Z, prec,
-                         extras={"L": Lmaps})
+                         extras={"L": Lmaps, "rounded": rounded})
 
 
 def _np(a: Any) -> np.ndarray:
@@ -471,7 +488,8 @@ def pairwise_delta_m(E: ExactHead, h: int, i: int) -> mp.matrix:
 def readout(E: ExactHead, h: int, i: int, M: mp.matrix) -> list:
     """``mu_i + u_i^T M``."""
     with mp.workprec(E.prec):
-        return [E.mu[h, i, q] + mp.fsum(E.u[h, i][p] * M[p, q] for p in range(M.rows))
+        add = _seqsum if E.extras.get("rounded") else mp.fsum
+        return [E.mu[h, i, q] + add(E.u[h, i][p] * M[p, q] for p in range(M.rows))
                 for q in range(M.cols)]
 
 
