@@ -8,8 +8,9 @@ float64 and in the model's dtype:
 
 * the identity ``y_i = mu_i + u_i^T Delta M_i`` (query-space readout ``mu_i + q_i T_i``) against
   the recomputed softmax output and against the model's own head output;
-* the readout condition number ``kappa`` in the original and max-key gauges, the score spread,
-  the attention-sink mass on the first key;
+* the readout condition number ``kappa`` in the original gauge (float64) and in the max-key
+  gauge (as the model-dtype readout evaluates it), the score spread, the attention-sink mass on
+  the first key;
 * the gradient-step diagnostics of docs/math.md section 3 in both parametrisations, each as a
   ``d x d`` problem: query space (features ``a_j = k~_j * scale``, the public replication's) with
   ``H^q = scale^2 G_i`` and input space (the paper's, features ``a_j = L_i k~_j^T``) with
@@ -153,27 +154,18 @@ def evaluate_layer(spec: HeadSpec, weights: HeadWeights, x: torch.Tensor, positi
         errors.append(f"layer {layer}: float64 original gauge: {err}")
     tm["float64_original"] = tm.get("float64_original", 0.0) + time.perf_counter() - t0
 
-    # pass B: float64 max-key gauge, kappa only
-    t0 = time.perf_counter()
-    try:
-        for ch in scale.stream(spec, weights, x, positions, gauge="maxkey", layer=L64,
-                               max_bytes=max_bytes, outputs=("kappa",)):
-            hs = ch.heads
-            arr["kappa_maxkey"][hs[0]:hs[-1] + 1, ch.queries] = ch.extra["kappa"].double()
-    except FloatingPointError as err:
-        errors.append(f"layer {layer}: float64 max-key gauge: {err}")
-    tm["float64_maxkey"] = tm.get("float64_maxkey", 0.0) + time.perf_counter() - t0
-
-    # pass C: the model's dtype, max-key gauge (the right gauge below float64)
+    # pass B: the model's dtype, max-key gauge (the right gauge below float64), with the
+    # max-key kappa of that evaluation (a condition number needs no more than float32 digits)
     t0 = time.perf_counter()
     try:
         for ch in scale.stream(spec, weights, x, positions, gauge="maxkey", dtype=lp_dtype,
-                               device=dev, max_bytes=max_bytes):
+                               device=dev, max_bytes=max_bytes, outputs=("kappa",)):
             hs = ch.heads
             ref = nat[ch.queries][:, hs].transpose(0, 1)  # (G, Qc, r)
             ro, y = ch.readout.double(), ch.y.double()
             arr["lp_abs"][hs[0]:hs[-1] + 1, ch.queries] = (ro - ref).abs().amax(-1)
             arr["lp_id_abs"][hs[0]:hs[-1] + 1, ch.queries] = (ro - y).abs().amax(-1)
+            arr["kappa_maxkey"][hs[0]:hs[-1] + 1, ch.queries] = ch.extra["kappa"].double()
     except FloatingPointError as err:
         errors.append(f"layer {layer}: {lp_dtype} max-key gauge: {err}")
     tm[f"{str(lp_dtype).replace('torch.', '')}_maxkey"] = \
