@@ -297,7 +297,7 @@ def descent(st: Step) -> DescentCheck:
     ``H_i = L^ G L^^T`` with ``G = sum_j c_j k^_j k^_j^T`` and ``Delta M_i = L^ [T_i; b_i^T]``.
     Valid in the original and max-key gauges.
     """
-    if st.gauge not in ("original", "maxkey"):
+    if _gauge_kind(st.gauge) not in ("original", "maxkey"):
         raise ValueError("descent() is defined in the original and max-key gauges")
     if st.c is None or st.t is None:
         raise ValueError("descent() needs c and t: call step(..., keep=('c','t','b'))")
@@ -318,9 +318,21 @@ def descent(st: Step) -> DescentCheck:
     Lh = torch.cat((L, e_last), -1)  # (H, Q, m+1, d+1)
     Mm = Lh.transpose(-1, -2) @ Lh  # (H, Q, d+1, d+1)
     G = khat.transpose(-1, -2) @ (st.c[..., None] * khat)
+    if not bool(torch.isfinite(G).all() and torch.isfinite(Mm).all()):
+        bad = (~torch.isfinite(G)).flatten(-2).any(-1).nonzero()
+        where = f" at head {int(bad[0, 0])}, query {int(bad[0, 1])}" if bad.numel() else ""
+        raise FloatingPointError(
+            f"descent(): the Hessian H_i = L G L^T leaves the {G.dtype} range{where} "
+            "(lambda_max beyond the float range; docs/math.md section 3) -- use the max-key gauge "
+            "or the exact layer")
     ev, U = torch.linalg.eigh(G)
     Gh = U @ torch.diag_embed(ev.clamp_min(0).sqrt()) @ U.transpose(-1, -2)
-    lam = torch.linalg.eigvalsh(Gh @ Mm @ Gh)[..., -1]
+    prod = Gh @ Mm @ Gh
+    if not bool(torch.isfinite(prod).all()):
+        raise FloatingPointError(
+            f"descent(): G^(1/2) L^T L G^(1/2) leaves the {prod.dtype} range (lambda_max beyond "
+            "the float range; docs/math.md section 3) -- use the max-key gauge or the exact layer")
+    lam = torch.linalg.eigvalsh(prod)[..., -1]
     mu = st.mu
     vc = P.v[:, None] - mu[:, :, None]
     e0 = 0.5 * (st.c * (vc * vc).sum(-1)).sum(-1)
@@ -350,7 +362,7 @@ def frozen_reuse(st: Step, anchor: int = 0, bound: bool = True) -> Reuse:
     All queries must share positions and permitted set (so ``a_j`` and ``mu`` are shared),
     which is the paper's setting: ``y_fr_i = mu + u_i^T Delta M_a = mu + q_i T_a + b_a``.
     """
-    if st.gauge != "original":
+    if _gauge_kind(st.gauge) != "original":
         raise ValueError("frozen_reuse() is stated in the original gauge")
     if st.c is None or st.t is None:
         raise ValueError("frozen_reuse() needs c and t: call step(..., keep=('c','t','b'))")

@@ -308,6 +308,8 @@ def plan(spec: HeadSpec, N: int, m: int, dtype: torch.dtype, max_bytes: int, *,
             f"{HEADROOM:.0%} headroom, dtype {dtype})")
     avail = usable - fx
     # large chunks feed the GEMM; beyond ~N/16 queries the causal waste inside a chunk grows
+    if chunk is not None:
+        chunk = min(int(chunk), Q)  # a chunk never needs more queries than there are
     cap = Q if chunk is not None else min(Q, max(32, -(-N // 16)))
     want = min(cap, chunk) if chunk is not None else cap
     full_p = N * row
