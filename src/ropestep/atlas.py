@@ -42,7 +42,8 @@ import numpy as np
 import torch
 
 from . import scale, tolerances
-from .dist import broadcast_from_rank0, finish, gather_to_rank0, init_distributed, shard
+from .dist import (broadcast_from_rank0, exit_worker, finish, gather_to_rank0,
+                   init_distributed, shard, under_launcher)
 from .kernel import augment
 from .provenance import portable_command, portable_config, portable_name
 from .rope import apply_rope
@@ -864,4 +865,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    _code = main()
+    if under_launcher():
+        exit_worker(_code)
+    sys.exit(_code)

@@ -230,7 +230,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as stop:  # --help/--version (0) or a one-line usage error (2)
         return int(stop.code or 0)
-    return args._handler(args, argv)
+    code = args._handler(args, argv)
+    from .dist import exit_worker, under_launcher
+
+    if under_launcher() and args.command in ("sweep", "atlas"):
+        exit_worker(code)  # a torchrun worker: skip the teardown (see ropestep.dist)
+    return code
 
 
 if __name__ == "__main__":

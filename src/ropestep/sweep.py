@@ -66,8 +66,8 @@ class SweepInputError(ValueError):
 # processes
 # ---------------------------------------------------------------------------------------------
 # the process helpers live in ropestep.dist (shared with ropestep.atlas)
-from .dist import (broadcast_from_rank0, finish, gather_to_rank0, init_distributed,  # noqa: E402,F401
-                   shard, under_launcher)
+from .dist import (broadcast_from_rank0, exit_worker, finish, gather_to_rank0,  # noqa: E402,F401
+                   init_distributed, shard, under_launcher)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -532,4 +532,7 @@ def same_report(a: dict, b: dict) -> bool:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    _code = main()
+    if under_launcher():
+        exit_worker(_code)
+    sys.exit(_code)
