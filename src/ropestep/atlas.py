@@ -521,14 +521,15 @@ def run(cfg: AtlasConfig, *, progress: bool = True, command: Sequence[str] | Non
                                                          if not v)
               for L, lr in out_layers.items() for h in lr["heads"] if not h["passed"]]
     failed += [e for lr in out_layers.values() for e in lr["errors"]]
-    corpus_prov = {"argument": str(cfg.corpus), "sha256": getattr(corpus, "sha256", None),
-                   "name": getattr(corpus, "name", None)}
+    src = getattr(corpus, "source", None) or {}
+    corpus_prov = {"argument": portable_name(cfg.corpus), "sha256": src.get("sha256"),
+                   "name": portable_name(getattr(corpus, "name", None))}
     env = protocol.environment(cfg.device)
     return {
         "schema": SCHEMA,
         "command": portable_command(list(command) if command is not None else None),
         "config": portable_config(asdict(cfg)),
-        "model": {"name": info.name, "n_layers": info.n_layers, "n_heads": info.n_heads,
+        "model": {"name": portable_name(info.name), "n_layers": info.n_layers, "n_heads": info.n_heads,
                   "n_kv_heads": info.n_kv_heads, "head_dim": info.head_dim,
                   "hidden": info.hidden, **_portable(prov)},
         "corpus": corpus_prov,
