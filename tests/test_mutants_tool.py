@@ -307,3 +307,220 @@ def test_kills_rope_helper_arguments():
     assert np.abs(fd.numpy() - want).max() <= tolerances.FLOAT64_REL * np.abs(want).max()
     with pytest.raises(ValueError, match=r"^derivative order must be >= 0, got -1$"):
         fast.rope_derivative(spec, z0, p, -1, head)
+    # frequencies of a base that float32 cannot hold, in float64
+    base = 12345.678
+    om = fast.rope_frequencies(base, 8)
+    with mp.workdps(40):
+        want = np.array([float(w) for w in exact.frequencies(base, 8)])
+    assert om.dtype == torch.float64
+    assert np.abs(om.numpy() - want).max() <= tolerances.FLOAT64_REL * want.max()
+
+
+def _overflow_scores(G=2, Qc=3, n=4):
+    """Scores of ``G`` heads, ``Qc`` queries, ``n`` keys: O(1) everywhere except head 1, query 2,
+    whose scores are -800 - j (every one below -745: the original gauge's 1/Z overflows)."""
+    s = 0.5 * torch.randn(G, Qc, n, generator=torch.Generator().manual_seed(3),
+                          dtype=torch.float64)
+    s[1, 2] = -800.0 - torch.arange(n, dtype=torch.float64)
+    return s, torch.ones(Qc, n, dtype=torch.bool)
+
+
+def test_kills_overflow_messages_name_gauge_head_and_query():
+    """The overflow error names the gauge, the dtype, the head and the query (translated by
+    ``heads`` and ``query_offset``) and how far the anchor sits above the scores -- the message
+    the suite promises (docs/math.md section 2), compared character by character."""
+    from ropestep import kernel
+
+    s, mask = _overflow_scores()
+    sm = kernel.softmax(s, mask, None)
+    tail = (": the gauge anchor sits 800 above every score, so its coefficients exceed the "
+            "float range (docs/math.md section 2); use gauge='maxkey'")
+    with pytest.raises(FloatingPointError) as err:
+        kernel.coefficients(sm, mask, None, None)  # every default
+    assert str(err.value) == "gauge 'original' overflows in torch.float64 at head 1, query 2" + tail
+    with pytest.raises(FloatingPointError) as err:
+        kernel.coefficients(sm, mask, None, None, gauge="free", query_offset=10, heads=[4, 7])
+    assert str(err.value) == "gauge 'free' overflows in torch.float64 at head 7, query 12" + tail
+    # through the chunk kernel: scores as additive biases (q = 0), a free gauge at sigma = 0
+    G, Qc, n = s.shape
+    q = torch.zeros(G, Qc, 3, dtype=torch.float64)
+    k = torch.randn(1, n, 3, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    v = torch.randn(1, n, 2, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    with pytest.raises(FloatingPointError) as err:
+        kernel.gauge_chunk(q, k, v, mask, gauge="free", beta=s, sigma=torch.zeros(G, Qc,
+                           dtype=torch.float64), query_offset=10, heads=[4, 7])
+    assert str(err.value) == "gauge 'free' overflows in torch.float64 at head 7, query 12" + tail
+    with pytest.raises(ValueError) as err:
+        kernel.gauge_chunk(q, k, v, mask, gauge="free", beta=s)
+    assert str(err.value) == "a free gauge needs its anchor sigma_i = u_i . g"
+    with pytest.raises(FloatingPointError) as err:
+        kernel.gauge_chunk(q, k, v, mask, beta=s)  # defaults: original gauge, offset 0
+    assert str(err.value) == "gauge 'original' overflows in torch.float64 at head 1, query 2" + tail
+
+
+def test_kills_transform_dd_identity_shape_and_dtype():
+    """``phi[a, b] = 1`` for the identity transform, broadcast over ``a`` and ``b``, in their
+    dtype (by definition: ``(a - b)/(a - b)``)."""
+    from ropestep import kernel
+
+    a = torch.linspace(-1.0, 1.0, 3, dtype=torch.float64)[:, None]
+    b = torch.zeros(1, 4, dtype=torch.float64)
+    out = kernel.transform_dd(a, b, None)
+    assert out.dtype == torch.float64 and out.shape == (3, 4)
+    assert torch.equal(out, torch.ones(3, 4, dtype=torch.float64))
+    assert kernel.transform_dd(b, a, None).shape == (3, 4)
+
+
+@pytest.mark.parametrize("gauge", ["original", "maxkey"])
+def test_kills_gemm_form_without_offsets_and_v_dim_not_head_dim(gauge, one_thread):
+    """The kernel's GEMM form (``pblocks``: ``T = C @ P`` plus rank-one corrections) with no
+    centring offsets (``kbar = vbar = None``), keys in blocks of 3, value dim 3 != head dim 4,
+    ALiBi biases: ``T``, the bias term and the readout against the mpmath oracle (40 digits).
+    ``fast.project`` only supplies the projected inputs; the comparison is with ``exact``."""
+    from ropestep import exact, fast, kernel
+    from strategies import make_problem
+
+    p = make_problem(seed=11, m=3, H=2, Hk=1, d=4, r=3, N=7, alibi=True)
+    E = exact.build(*p.args(), bias=p.bias, dps=40)
+    P = fast.project(p.spec, p.weights, p.x_q, p.pos_q, p.x_kv, p.pos_kv, bias=p.bias)
+    mask = torch.as_tensor(p.mask)
+    k, v = P.k[:1], P.v[:1]  # one KV head read by both query heads
+    kw = {} if gauge == "original" else {"gauge": gauge}  # the default gauge is the original
+    out = kernel.gauge_chunk(P.q, k, v, mask, beta=P.beta,
+                             pblocks=kernel.PBlocks(k[0], v[0], None, 3), **kw)
+    assert "kappa" not in out  # computed only when asked
+    H, Q = P.q.shape[:2]
+    T = np.array([[np.array(exact.t_matrix(E, h, i, gauge).tolist(), dtype=float)
+                   for i in range(Q)] for h in range(H)])
+    y = exact.to_float(E.y)
+    vs = float(np.abs(exact.to_float(E.v)).max())
+    assert out["t"].shape == T.shape == (H, Q, 4, 3)
+    assert float(np.abs(out["t"].numpy() - T).max()) <= tolerances.FLOAT64_REL * np.abs(T).max()
+    assert float(np.abs(out["readout_c"].numpy() - y).max()) <= tolerances.FLOAT64_REL * vs
+    assert float(np.abs(out["y_c"].numpy() - y).max()) <= tolerances.FLOAT64_REL * vs
+    # kappa is the condition number of the readout of the values themselves: centring offsets
+    # (kbar, vbar) change how the sums are evaluated, not kappa (checked against the oracle's)
+    from oracle import kappa_agreement
+
+    kbar, vbar = k.mean(1, keepdim=True), v.mean(1, keepdim=True) + 3.0
+    for offsets in ({}, {"kbar": kbar, "vbar": vbar}):
+        kh, vh = k - offsets.get("kbar", 0.0), v - offsets.get("vbar", 0.0)
+        ko = kernel.gauge_chunk(P.q, k, v, mask, beta=P.beta, kappa=True, **offsets, **kw,
+                                pblocks=kernel.PBlocks(kh[0], vh[0], None, 3))
+        rel, _ = kappa_agreement(E, ko["kappa"], gauge)
+        assert rel.max() <= tolerances.KAPPA_REL, (offsets.keys(), rel.max())
+        shift = 0 if not offsets else vbar.numpy()
+        assert float(np.abs(ko["readout_c"].numpy() + shift - y).max()) <= \
+            tolerances.FLOAT64_REL * vs
+
+
+def test_kills_augment_on_batched_rows():
+    """``u = [x; 1]`` over the last axis of any batch of rows, in x's dtype (by definition)."""
+    from ropestep import kernel
+
+    x = torch.arange(24, dtype=torch.float64).reshape(2, 3, 4)
+    u = kernel.augment(x)
+    assert u.shape == (2, 3, 5) and u.dtype == torch.float64
+    assert torch.equal(u[..., :4], x) and torch.equal(u[..., 4], torch.ones(2, 3,
+                                                                            dtype=torch.float64))
+
+
+def test_kills_pairwise_ignores_pblocks(one_thread):
+    """The pairwise gauge is evaluated densely whatever ``pblocks`` says: readout against the
+    mpmath oracle's y (40 digits), with ALiBi biases."""
+    from ropestep import exact, fast, kernel
+    from strategies import make_problem
+
+    p = make_problem(seed=12, m=3, H=2, Hk=1, d=4, r=3, N=6, alibi=True)
+    E = exact.build(*p.args(), bias=p.bias, dps=40)
+    P = fast.project(p.spec, p.weights, p.x_q, p.pos_q, p.x_kv, p.pos_kv, bias=p.bias)
+    k, v = P.k[:1], P.v[:1]
+    out = kernel.gauge_chunk(P.q, k, v, torch.as_tensor(p.mask), gauge="pairwise", beta=P.beta,
+                             pblocks=kernel.PBlocks(k[0], v[0], None, 2))
+    y = exact.to_float(E.y)
+    vs = float(np.abs(exact.to_float(E.v)).max())
+    assert float(np.abs(out["readout_c"].numpy() - y).max()) <= tolerances.FLOAT64_REL * vs
+
+
+def test_kills_unknown_gauge_and_readout_overflow_messages():
+    """``gauge_chunk`` names an unknown gauge, and a non-finite readout by gauge, dtype, head and
+    query (translated by ``heads``/``query_offset``).  The readout overflows through the mean:
+    two values of 1e308 in the permitted set of queries >= 2 (causal), none before."""
+    from ropestep import kernel
+
+    G, Qc, n, d, r = 2, 4, 4, 3, 2
+    g = torch.Generator().manual_seed(6)
+    q = 0.3 * torch.randn(G, Qc, d, generator=g, dtype=torch.float64)
+    k = 0.3 * torch.randn(1, n, d, generator=g, dtype=torch.float64)
+    v = torch.randn(1, n, r, generator=g, dtype=torch.float64)
+    v[0, 1:3] = 1e308
+    mask = torch.ones(Qc, n, dtype=torch.bool).tril()
+    with pytest.raises(ValueError) as err:
+        kernel.gauge_chunk(q, k, v, mask, gauge="minkey")
+    assert str(err.value) == ("unknown gauge 'minkey': one of ('original', 'maxkey', 'free', "
+                              "'pairwise')")
+    msg = ("gauge 'maxkey': the readout mu + q T + b is not finite in torch.float64 at head {}, "
+           "query {} (its terms overflow the float range)")
+    with pytest.raises(FloatingPointError) as err:
+        kernel.gauge_chunk(q, k, v, mask, gauge="maxkey")
+    assert str(err.value) == msg.format(0, 2)
+    with pytest.raises(FloatingPointError) as err:
+        kernel.gauge_chunk(q, k, v, mask, gauge="maxkey", query_offset=10, heads=[4, 7])
+    assert str(err.value) == msg.format(4, 12)
+
+
+def test_kills_ftensor_dtype_contract():
+    """``phi_1`` of Python numbers, lists and integer arrays is float64 (not torch's float32
+    default); float32 arrays and scalars stay float32.  Values against mpmath."""
+    import mpmath as mp
+
+    from ropestep import kernel
+
+    want = float(mp.expm1(mp.mpf(0.5)) / mp.mpf(0.5))
+    for x, dtype in (([0.5, 0.5], torch.float64), (0.5, torch.float64),
+                     (np.array([1, 2]), torch.float64), (np.array([0.5]), torch.float64),
+                     (np.array([0.5], dtype=np.float32), torch.float32),
+                     (np.float32(0.5), torch.float32), (np.float64(0.5), torch.float64)):
+        out = kernel.phi1(x)
+        assert out.dtype == dtype, (x, out.dtype)
+    assert abs(float(kernel.phi1([0.5])[0]) - want) <= 2 * tolerances.unit_roundoff(
+        torch.float64) * want
+
+
+def test_kills_input_error_messages():
+    """Unsupported dtypes and RoPE layouts are refused with a message naming them."""
+    from ropestep import kernel, rope
+
+    with pytest.raises(TypeError) as err:
+        kernel.compute_dtype(torch.int32)
+    assert str(err.value) == ("unsupported dtype torch.int32: use float64, float32, bfloat16 "
+                              "or float16")
+    x = torch.ones(2, 4, dtype=torch.float64)
+    with pytest.raises(ValueError) as err:
+        rope.apply_rope(x, x[:, :2], x[:, :2], "diagonal")
+    assert str(err.value) == "unknown RoPE layout 'diagonal'"
+
+
+def test_kills_rope_tables_contract():
+    """A model's own tables are used as given -- lists, numpy arrays or tensors -- and rounded
+    once to the requested dtype; positions must be integers (the error names them)."""
+    from ropestep import rope
+    from ropestep.spec import HeadSpec, RoPESpec
+
+    P, d = 6, 4
+    ang = np.arange(P)[:, None] * 100.0 ** (-2.0 * np.arange(d // 2) / d)
+    cos, sin = np.cos(ang), np.sin(ang)  # float64 values float32 cannot hold
+    pos = [1, 4]
+    for tables in ((cos.tolist(), sin.tolist()), (cos, sin),
+                   (torch.tensor(cos), torch.tensor(sin))):
+        spec = HeadSpec(1, 1, d, rope=RoPESpec(base=100.0, cos=tables[0], sin=tables[1]))
+        c, s = rope.rope_cos_sin(spec, pos)
+        assert c.dtype == s.dtype == torch.float64 and c.shape == (1, 2, d // 2)
+        assert np.array_equal(c[0].numpy(), cos[pos]) and np.array_equal(s[0].numpy(), sin[pos])
+        c, s = rope.rope_cos_sin(spec, pos, dtype=torch.float32)
+        assert c.dtype == s.dtype == torch.float32
+        assert np.array_equal(c[0].numpy(), cos[pos].astype(np.float32))
+        assert np.array_equal(s[0].numpy(), sin[pos].astype(np.float32))
+    with pytest.raises(TypeError) as err:
+        rope.rope_cos_sin(spec, [0.5])
+    assert str(err.value) == "positions must hold integer positions, got dtype float64"

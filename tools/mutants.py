@@ -1,0 +1,1241 @@
+#!/usr/bin/env python
+"""Mutation testing of ropestep: named semantic mutants, and mutmut over the kernel.
+
+Two parts, one report (``mutation/report.json`` and ``mutation/report.md``):
+
+* ``--semantic``: the named mutants of :data:`MUTANTS`.  Each is one wrong formula a careful
+  author could plausibly write -- ``(name, file under src/ropestep, exact original snippet,
+  replacement, what it models, the tests to run)``.  It is applied to a temporary copy of the
+  repository (``src/``, ``tests/``, ``pyproject.toml``; the working tree is never modified), and
+  the mutant's test subset runs against the copy (``PYTHONPATH=<copy>/src``; a probe checks that
+  ``ropestep`` is imported from the copy).  Killed = some test failed (the first failing test id
+  is recorded); survived = every test passed.  A snippet that is no longer in the source is
+  *stale*: the list names code that changed, and the command fails until the list is updated.
+* ``--mutmut``: mutmut 3 (``[tool.mutmut]`` in ``pyproject.toml``) over ``src/ropestep/kernel.py``
+  and ``src/ropestep/rope.py``, on its own temporary copy.  A first pass uses the ``quick``
+  hypothesis profile; every survivor is retried with the ``ci`` profile (the suite's default).
+  Survivors that remain are matched against :data:`EQUIVALENT` (each with its reason); the rest
+  are reported as survived.
+
+Hypothesis: shrinking is switched off inside the copies (``tools/mutants_plugin.py``): a
+mutant needs one failing example, not the smallest one.  Profiles are derandomised, so a run is
+reproducible given the source tree.
+
+Usage (run it under ``nice``: it is CPU-bound and long; the machine is shared)::
+
+    nice -n 19 python tools/mutants.py --semantic --mutmut --out mutation/   # both parts
+    nice -n 19 python tools/mutants.py --semantic                             # ~10 min
+    python tools/mutants.py --list                                            # resolve only
+
+Exit status: 0 when every non-equivalent mutant is killed (or timed out), 1 when one survives or
+is stale, 2 on bad input (unknown option or mutant, a test subset that does not pass on the
+unmutated copy, a replacement that does not compile).
+"""
+from __future__ import annotations
+
+import argparse
+import ast
+import difflib
+import json
+import os
+import platform
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+REPO = Path(__file__).resolve().parents[1]
+TOOLS = Path(__file__).resolve().parent
+PKG = "src/ropestep"
+PLUGIN = "mutants_plugin"  # tools/mutants_plugin.py, loaded with -p inside the copies
+SCHEMA = "ropestep.mutation/1"
+COPY_ITEMS = ("src", "tests", "pyproject.toml")
+IGNORE = shutil.ignore_patterns("__pycache__", "*.pyc", ".hypothesis", ".pytest_cache",
+                                "*.egg-info", "mutants")
+STATUSES = ("killed", "survived", "equivalent", "timeout", "stale", "error")
+
+
+class BadInput(Exception):
+    """Bad input: exit status 2."""
+
+
+# ---------------------------------------------------------------------------------------------
+# test subsets (pytest arguments; cheap tests first, so a killed mutant stops early under -x)
+# ---------------------------------------------------------------------------------------------
+T_PHI1 = "tests/test_phi1.py"
+T_MUT = "tests/test_mutations.py"
+T_NONFINITE = "tests/test_nonfinite.py"
+T_BAD = "tests/test_bad_input.py"
+T_LOWRANK = "tests/test_lowrank.py"
+T_SCALE = "tests/test_scale.py"
+T_OBJECTS = "tests/test_fast_objects.py"
+T_KAPPA = "tests/test_kappa.py"
+T_F64 = "tests/test_fast_vs_exact.py::test_float64_matches_exact"
+T_LOWP = "tests/test_fast_vs_exact.py::test_low_precision_within_derived_bound"
+T_REUSE = "tests/test_reuse_stats.py"
+T_ADAPTER = "tests/models/test_adapter.py"
+T_KILLERS = "tests/test_mutants_tool.py"
+
+CORE = (T_MUT, T_F64)
+SCALE_FAST = (T_SCALE + "::test_against_exact_oracle", T_SCALE + "::test_matches_fast_step")
+
+
+@dataclass(frozen=True)
+class Mutant:
+    """One named semantic mutant.
+
+    ``original`` must occur exactly once in ``src/ropestep/<file>``; it is replaced by
+    ``replacement`` in a temporary copy.  ``tests`` are the pytest arguments of the subset run
+    against it.  ``equivalent``: the reason it cannot be killed (the mutant still runs, and a
+    kill is reported as an error in the list).
+    """
+
+    name: str
+    file: str
+    original: str
+    replacement: str
+    models: str
+    tests: tuple[str, ...] = CORE
+    equivalent: str | None = None
+
+
+MUTANTS: tuple[Mutant, ...] = (
+    # --- gauges: the coefficient formula ------------------------------------------------------
+    Mutant("coef-original-anchor-one", "kernel.py",
+           "sig = torch.zeros_like(sm.zmax) if sigma is None else sigma",
+           "sig = torch.ones_like(sm.zmax) if sigma is None else sigma",
+           "original gauge evaluated at the anchor sigma = 1 instead of 0 (c = e rho(s - 1)/Z, "
+           "no matching -sigma w term)"),
+    Mutant("coef-rho-without-anchor", "kernel.py",
+           "c = scaled_phi1(sm.z - zsig, zsig - sm.zmax)",
+           "c = scaled_phi1(sm.z, zsig - sm.zmax)",
+           "anchored coefficient e^{phi(sigma)} rho(z) instead of e^{phi(sigma)} rho(z - phi(sigma)) "
+           "(max-key and free gauges)"),
+    Mutant("coef-unnormalised", "kernel.py",
+           "* transform_dd(sm.s, sig, softcap) / sm.zbar",
+           "* transform_dd(sm.s, sig, softcap)",
+           "coefficients not divided by the partition function (c = rho(s)e^{-z_max} instead of "
+           "rho(s)/Z)"),
+    Mutant("coef-softcap-chain-factor", "kernel.py",
+           "* transform_dd(sm.s, sig, softcap) / sm.zbar",
+           "/ sm.zbar",
+           "soft-capped scores: the divided difference phi[s, sigma] of the transform dropped from "
+           "c (the chain-rule factor)",
+           tests=(T_F64, T_KAPPA)),
+    Mutant("maxkey-offset-key-dropped", "kernel.py",
+           "koff = torch.gather(k.expand(G, *k.shape[1:]), 1, js[..., None].expand(G, Qc, d))",
+           "koff = torch.zeros_like(q)",
+           "max-key gauge: anchor sigma = s_max used in c but the key offset k_o = k~_{j*} "
+           "forgotten in T"),
+    Mutant("maxkey-anchor-argmin", "kernel.py",
+           "return s.masked_fill(~mask[None], -math.inf).argmax(-1)",
+           "return s.masked_fill(~mask[None], math.inf).argmin(-1)",
+           "max-key gauge anchored at the smallest score (a valid gauge, but not the max-key one: "
+           "unbounded coefficients)"),
+    Mutant("maxkey-bias-offset-dropped", "kernel.py",
+           "boff = torch.gather(beta, -1, js[..., None])",
+           "boff = None",
+           "max-key gauge with additive biases: the bias offset beta_o = beta_{i j*} forgotten in b"),
+    Mutant("free-gauge-sigma-w-sign", "kernel.py",
+           "readout = readout - sig * w",
+           "readout = readout + sig * w",
+           "free gauge g: readout mu + q T + b + sigma w (sign of the -sigma w term)"),
+    Mutant("free-gauge-delta-m-sign", "fast.py",
+           "dm = dm - g[:, None, :, None] * out[\"w\"][:, :, None, :]",
+           "dm = dm + g[:, None, :, None] * out[\"w\"][:, :, None, :]",
+           "free gauge g: Delta M = L T + e b^T + g w^T (sign of the -g w^T term)"),
+    Mutant("pairwise-weights-min-anchor", "kernel.py",
+           "D = torch.exp(torch.maximum(zj, zk)) * phi1(-(zj - zk).abs())",
+           "D = torch.exp(torch.minimum(zj, zk)) * phi1(-(zj - zk).abs())",
+           "pairwise gauge: exp[z_j, z_k] = e^{min} rho(-|z_j - z_k|) (anchored at the smaller "
+           "score) instead of e^{max}"),
+    # --- score families -------------------------------------------------------------------------
+    Mutant("softcap-transform-no-cap", "kernel.py",
+           "return s if softcap is None else softcap * torch.tanh(s / softcap)",
+           "return s if softcap is None else torch.tanh(s / softcap)",
+           "soft-cap transform tanh(s/c) instead of c tanh(s/c)",
+           tests=(T_F64, T_KAPPA)),
+    Mutant("softcap-transform-dd-exponent", "kernel.py",
+           "same = 4 * torch.exp(-2 * l2c) * phi1(-2 * delta) / (",
+           "same = 4 * torch.exp(-2 * l2c) * phi1(-delta) / (",
+           "divided difference of c tanh(s/c): phi_1(-delta) instead of phi_1(-2 delta) on one "
+           "side of zero",
+           tests=(T_F64, T_KAPPA)),
+    Mutant("alibi-sign", "fast.py",
+           "beta = -sl[:, None, None] * (pq[:, None] - pk[None, :]).to(cd)[None]",
+           "beta = sl[:, None, None] * (pq[:, None] - pk[None, :]).to(cd)[None]",
+           "ALiBi bias +slope * (i - j) (rewards distance) instead of -slope * (i - j)"),
+    Mutant("alibi-slope-of-group", "scale.py",
+           "beta = -L.slopes[hidx][:, None, None] * dp[None]",
+           "beta = -L.slopes[:len(hs)][:, None, None] * dp[None]",
+           "streamed path: every key group uses the slopes of heads 0..G-1 instead of its own heads",
+           tests=SCALE_FAST),
+    Mutant("qknorm-sum-not-mean", "kernel.py",
+           "return x * torch.rsqrt((x * x).mean(-1, keepdim=True) + eps) * w",
+           "return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps) * w",
+           "QK-norm: x / sqrt(sum x^2 + eps) (an L2 norm) instead of the RMS norm",
+           tests=(T_F64, T_KAPPA, T_SCALE)),
+    Mutant("cosine-normalise-wrong-axis", "kernel.py",
+           "n = torch.linalg.vector_norm(x, dim=-1, keepdim=True)",
+           "n = torch.linalg.vector_norm(x, dim=-2, keepdim=True)",
+           "cosine family: rows normalised over the token axis instead of the head dimension",
+           tests=(T_F64, T_KAPPA, T_SCALE)),
+    Mutant("cosine-temperature-head0", "fast.py",
+           "scale = torch.tensor([spec.score_scale(h) for h in range(spec.n_heads)], dtype=cd,",
+           "scale = torch.tensor([spec.score_scale(0) for h in range(spec.n_heads)], dtype=cd,",
+           "per-head score scale / cosine temperature: head 0's for every head",
+           tests=(T_KAPPA, T_F64)),
+    # --- phi_1 numerics ---------------------------------------------------------------------------
+    Mutant("phi1-naive-exp-minus-one", "kernel.py",
+           "out = torch.expm1(safe) / safe",
+           "out = (torch.exp(safe) - 1) / safe",
+           "phi_1 as (e^s - 1)/s: cancellation near s = 0 (exact in exact arithmetic)",
+           tests=(T_PHI1,)),
+    Mutant("phi1-big-branch-overflows", "kernel.py",
+           "out = torch.where(big, half * (half / torch.where(big, s, torch.ones_like(s))), out)",
+           "out = torch.where(big, torch.exp(s) / torch.where(big, s, torch.ones_like(s)), out)",
+           "phi_1 for s > 40 as e^s/s: overflows to inf from s = 709.78 (instead of ~716)",
+           tests=(T_PHI1,)),
+    # --- the identity's objects -------------------------------------------------------------------
+    Mutant("uniform-mean-chunk-count", "kernel.py",
+           "return (mask.to(v.dtype) @ v) / mask.sum(-1).to(v.dtype)[:, None]",
+           "return (mask.to(v.dtype) @ v) / mask.shape[-1]",
+           "uniform mean divided by the bank size N instead of the permitted count N_i",
+           tests=(T_MUT + "::test_mutant_softmax_mean_instead_of_uniform_mean",)),
+    Mutant("delta-m-bias-row-fast", "fast.py",
+           "dm[:, :, -1] += out[\"b\"]",
+           "dm[:, :, 0] += out[\"b\"]",
+           "per-query path: the bias term b_i added to row 0 of Delta M instead of the augmented "
+           "row m+1"),
+    Mutant("delta-m-bias-row-scale", "scale.py",
+           "dm[:, :, -1] += b",
+           "dm[:, :, 0] += b",
+           "streamed path: the bias term b_i added to row 0 of Delta M instead of row m+1",
+           tests=SCALE_FAST),
+    # --- RoPE -------------------------------------------------------------------------------------
+    Mutant("rope-rotation-sign", "rope.py",
+           "return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)",
+           "return torch.cat((x1 * cos + x2 * sin, x2 * cos - x1 * sin), dim=-1)",
+           "split-half RoPE rotating by -p (R(p)^T applied instead of R(p))"),
+    Mutant("rope-half-pairs-interleaved", "rope.py",
+           "x1, x2 = x[..., : d // 2], x[..., d // 2:]",
+           "x1, x2 = x[..., 0::2], x[..., 1::2]",
+           "layout 'half' pairing dims (2l, 2l+1) instead of (l, l + d/2)"),
+    Mutant("rope-frequency-exponent", "rope.py",
+           "** (-2.0 * ell / head_dim)",
+           "** (-1.0 * ell / head_dim)",
+           "RoPE frequencies base^(-l/d) instead of base^(-2l/d)"),
+    Mutant("query-position-off-by-one", "fast.py",
+           "cos_q, sin_q = rope_cos_sin(spec, pq, cd, q.device)",
+           "cos_q, sin_q = rope_cos_sin(spec, pq + 1, cd, q.device)",
+           "queries rotated to position p + 1"),
+    Mutant("gqa-modulo-fast", "fast.py",
+           "kv_of = torch.arange(spec.n_heads, device=q.device) // spec.group",
+           "kv_of = torch.arange(spec.n_heads, device=q.device) % spec.n_kv_heads",
+           "GQA: query head h reads KV head h % H_kv instead of h // group"),
+    Mutant("gqa-modulo-scale", "scale.py",
+           "groups = [list(range(g * spec.group, (g + 1) * spec.group)) for g in range(Hk)]",
+           "groups = [list(range(g, H, Hk)) for g in range(Hk)]",
+           "streamed path: key group g holds query heads g, g + H_kv, ... (h % H_kv grouping)",
+           tests=SCALE_FAST),
+    Mutant("bf16-computed-in-bf16", "kernel.py",
+           "return torch.float32 if dtype in LOW_PRECISION else dtype",
+           "return dtype",
+           "bf16/fp16 inputs computed in bf16/fp16 instead of float32 accumulation",
+           tests=(T_PHI1, T_SCALE + "::test_low_precision")),
+    # --- the batched GEMM form (rank-one corrections) ---------------------------------------------
+    Mutant("gemm-mean-correction-sign", "kernel.py",
+           "mu_c.expand(G, Qc, r).reshape(G * Qc, 1, r), alpha=-1.0)",
+           "mu_c.expand(G, Qc, r).reshape(G * Qc, 1, r), alpha=1.0)",
+           "GEMM form: + (C K^)(mu - v-bar)^T instead of - (the value-centring correction)",
+           tests=SCALE_FAST),
+    Mutant("gemm-offset-correction-dropped", "kernel.py",
+           "tv.baddbmm_(ko.reshape(G * Qc, d, 1), w.reshape(G * Qc, 1, r))",
+           "None",
+           "GEMM form: the (k-bar - k_o) w^T correction dropped",
+           tests=SCALE_FAST),
+    Mutant("gemm-w-uncentred", "kernel.py",
+           "w = c @ vh - c.sum(-1, keepdim=True) * mu_c  # sum_j c_ij (v_j - mu_i)",
+           "w = c @ vh  # sum_j c_ij (v_j - mu_i)",
+           "GEMM form: w_i = sum_j c_ij v^_j, the values not centred on mu_i",
+           tests=SCALE_FAST),
+    # --- low rank ---------------------------------------------------------------------------------
+    Mutant("lowrank-weights-not-halved", "lowrank.py",
+           "w = 1 / ((1 - x * x) * dp * dp)",
+           "w = 2 / ((1 - x * x) * dp * dp)",
+           "Gauss-Legendre rule moved to [0, 1] without halving the weights (sum w = 2)",
+           tests=(T_LOWRANK,)),
+    Mutant("lowrank-b-exponent", "lowrank.py",
+           "B = torch.exp((1.0 - tt)[:, None] * zm)",
+           "B = torch.exp(tt[:, None] * zm)",
+           "low-rank pairwise kernel: b_n = e^{t_n z} instead of e^{(1 - t_n) z}",
+           tests=(T_LOWRANK,)),
+    # --- streamed path ------------------------------------------------------------------------------
+    Mutant("scale-causal-mask-strict", "scale.py",
+           "return pos[None, :n] <= pos[qi][:, None]",
+           "return pos[None, :n] < pos[qi][:, None]",
+           "streamed path: causal mask j < i (a query does not read its own key)",
+           tests=SCALE_FAST),
+    Mutant("nan-dropped-by-builtin-max", "scale.py",
+           "mx[h] = np.maximum(mx[h], float(err[a].max()))",
+           "mx[h] = max(mx[h], float(err[a].max()))",
+           "streamed identity check: builtin max drops a NaN error (max(0.0, nan) == 0.0)",
+           tests=(T_NONFINITE,)),
+    Mutant("overflow-check-dropped", "kernel.py",
+           "if not bool(torch.isfinite(c).all()):",
+           "if False:",
+           "original gauge overflow: no FloatingPointError naming the gauge and the remedy where "
+           "the coefficients are made",
+           tests=(T_NONFINITE, T_BAD)),
+    # --- kappa ----------------------------------------------------------------------------------------
+    Mutant("kappa-times-1e8", "kernel.py",
+           "out[\"kappa\"] = kappa_sum(c.abs() * absdot, vq, vh if vbar is None else vh + vbar, mask)",
+           "out[\"kappa\"] = 1e8 * kappa_sum(c.abs() * absdot, vq, vh if vbar is None else vh + vbar, "
+           "mask)",
+           "the readout's condition number inflated 1e8-fold (every readout tolerance widens)",
+           tests=(T_KAPPA + "::test_fast_kappa_matches_exact",)),
+    Mutant("kappa-bias-term-dropped", "kernel.py",
+           "        if bc is not None:\n            absdot = absdot + bc.abs()\n"
+           "        if sig is not None and gauge == \"free\":",
+           "        if sig is not None and gauge == \"free\":",
+           "kappa without the |beta_j - beta_o| term (ALiBi / explicit biases)",
+           tests=(T_KAPPA + "::test_fast_kappa_matches_exact",)),
+    Mutant("kappa-value-term-dropped", "kernel.py",
+           "vn = vq.abs().amax(-1) + va",
+           "vn = vq.abs().amax(-1)",
+           "kappa without the |v_j|_inf term (the rounding of the centring v_j - mu)",
+           tests=(T_KAPPA + "::test_fast_kappa_matches_exact",)),
+    # --- the protocol's pooling -------------------------------------------------------------------
+    Mutant("reuse-rrmse-without-root", "reuse_stats.py",
+           "return math.sqrt(num / den)",
+           "return num / den",
+           "rRMSE reported as the MSE ratio (no square root)",
+           tests=(T_REUSE,)),
+    Mutant("reuse-anchor0-pools-all-anchors", "reuse_stats.py",
+           "return {\"anchor0\": float(e[:, 0].mean()), \"all\": float(e.mean(axis=1).mean())}",
+           "return {\"anchor0\": float(e.mean()), \"all\": float(e.mean(axis=1).mean())}",
+           "pooled 'anchor 0' MSE averaged over every anchor",
+           tests=(T_REUSE,)),
+    Mutant("reuse-anchor-not-excluded", "reuse_stats.py",
+           "sq[np.arange(Q), np.arange(Q)] = 0.0  # exclude i = a",
+           "pass",
+           "frozen/constant predictors scored on the anchor itself (its zero error included)",
+           tests=(T_REUSE,)),
+    # --- the model adapter ------------------------------------------------------------------------
+    Mutant("adapter-weight-not-transposed", "models.py",
+           "wt = lin.weight.detach().T.reshape(m, heads, d)",
+           "wt = lin.weight.detach().reshape(m, heads, d)",
+           "nn.Linear weight (out, in) reshaped without the transpose to (m, heads, d)",
+           tests=(T_ADAPTER + "::test_math_layout_matches_linear_layers[tiny_qwen2]",)),
+    Mutant("adapter-tables-shifted", "models.py",
+           "pos = torch.arange(n_positions, device=p.device)[None]",
+           "pos = torch.arange(1, n_positions + 1, device=p.device)[None]",
+           "the model's RoPE tables read one position late",
+           tests=(T_ADAPTER + "::test_rope_tables_are_the_models_own[tiny_qwen2]",)),
+    Mutant("adapter-layout-interleaved", "models.py",
+           "rope=RoPESpec(base=info.rope_theta, layout=\"half\",",
+           "rope=RoPESpec(base=info.rope_theta, layout=\"interleaved\",",
+           "Hugging Face rotate_half model described with interleaved RoPE pairs",
+           tests=(T_KILLERS + "::test_kills_adapter_layout_and_tables",)),
+    # --- equivalent by design (kept to show the tool reports them, each with its reason) ----------
+    Mutant("scale-centring-first-key", "scale.py",
+           "kbar, vbar = k.mean(0), v.mean(0)",
+           "kbar, vbar = k[0], v[0]",
+           "streamed path: keys and values centred on the first token instead of their means",
+           tests=SCALE_FAST,
+           equivalent="any constant offset pulls out of T, b and the readout exactly (docs/math.md: "
+                      "'any constant pulls out exactly'); the mean only limits cancellation, and "
+                      "these layers (N <= 96, scores O(1)) stay far inside the 1e-12 tolerance"),
+    Mutant("laplacian-column-sums", "kernel.py",
+           "return D.sum(-1, keepdim=True) * x - D @ x",
+           "return D.sum(-2)[..., None] * x - D @ x",
+           "pairwise Laplacian with column sums of D instead of row sums",
+           tests=(T_LOWRANK, T_F64),
+           equivalent="D_jk = exp_phi[s_j, s_k] e^{-z_max} is symmetric (a divided difference is "
+                      "symmetric in its arguments, and so is the permitted-pair mask), so its row "
+                      "and column sums are the same vector"),
+)
+
+
+# ---------------------------------------------------------------------------------------------
+# mutmut survivors that cannot be killed, each with its reason.  Matched on the function and the
+# mutated line (not mutmut's mutant number, which shifts whenever the function changes).
+# ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Equivalence:
+    function: str  # "kernel.phi1" (module.function; methods "kernel.PBlocks.matmul")
+    original: str  # substring of the original line (stripped)
+    mutated: str  # substring of the mutated line (stripped)
+    reason: str
+
+
+_CPU = ("on the CPU, where this suite runs, device=None is the tensor's device; on CUDA the "
+        "result would land on the CPU and the next product would raise (a CUDA run of "
+        "tests/test_fast_vs_exact.py kills it)")
+
+_CPU_NUMPY = ("np.asarray of a CPU tensor is a view of the same float64 values, so tensors and "
+              "arrays give the same tables; on CUDA np.asarray of a device tensor raises (a CUDA "
+              "run of tests/models/test_adapter.py kills it)")
+
+EQUIVALENT: tuple[Equivalence, ...] = (
+    # axis aliases: the operand's rank fixes which axis +k names
+    Equivalence("kernel._pairwise", "nper = mask.sum(-1)", "mask.sum(+1)",
+                "the mask is 2-D (Qc, n): axis +1 is axis -1"),
+    Equivalence("kernel._pairwise", "t = kc.transpose(-1, -2) @ lv", "transpose(-1, +2)",
+                "kc is 4-D (Gk, Qc, n, d): axis +2 is axis -2"),
+    Equivalence("kernel._gauge", "t = (c[..., None] * kc).transpose(-1, -2) @ vq",
+                "transpose(-1, +2)", "the operand is 4-D (G, Qc, n, d): axis +2 is axis -2"),
+    Equivalence("kernel.PBlocks.__call__", "d, r = self.kh.shape[-1], self.vh.shape[-1]",
+                "shape[+1]", "kh (n, d) and vh (n, r) are 2-D: index +1 is index -1"),
+    # dtype promotion
+    Equivalence("kernel._pairwise", "nper = mask.sum(-1).to(q.dtype)", ".to(None)",
+                "`.to(None)` keeps the integer count, and true division by it promotes to the "
+                "float dtype: the same value (counts are exact in every float dtype used)"),
+    Equivalence("kernel._pairwise", "w8 = mask.to(q.dtype)", "mask.to(None)",
+                "the bool mask divided by the float count gives the same float weights"),
+    Equivalence("kernel.transform_dd", "torch.ones(torch.broadcast_shapes(a.shape, b.shape)",
+                "dtype=None,",
+                "ones are exact in float32 (the default dtype), and the only caller multiplies "
+                "them into float64/float32 coefficients, which promotes back: same values"),
+    Equivalence("kernel.transform_dd", "torch.ones(torch.broadcast_shapes(a.shape, b.shape)",
+                "(a.shape, b.shape), device=a.device)",
+                "ones are exact in float32 (the default dtype), and the only caller multiplies "
+                "them into float64/float32 coefficients, which promotes back: same values"),
+    Equivalence("kernel.augment", "torch.ones(*x.shape[:-1], 1, dtype=x.dtype", "dtype=None,",
+                "ones are exact in float32 (the default dtype) and torch.cat promotes them to "
+                "x's dtype: the same u"),
+    Equivalence("kernel.augment", "torch.ones(*x.shape[:-1], 1, dtype=x.dtype",
+                "torch.ones(*x.shape[:-1], 1, device=x.device)",
+                "ones are exact in float32 (the default dtype) and torch.cat promotes them to "
+                "x's dtype: the same u"),
+    Equivalence("rope.rope_frequencies", "ell = torch.arange(head_dim // 2", "head_dim / 2",
+                "head_dim is even (spec validation), so head_dim / 2 is a whole number and "
+                "arange gives the same float64 values"),
+    # device placement (CPU-only equivalence)
+    Equivalence("kernel.augment", "device=x.device)), dim=-1)", "device=None)), dim=-1)", _CPU),
+    Equivalence("kernel.augment", "dtype=x.dtype, device=x.device)), dim=-1)",
+                "dtype=x.dtype, )), dim=-1)", _CPU),
+    Equivalence("kernel.transform_dd", "device=a.device)", "device=None)", _CPU),
+    Equivalence("kernel.transform_dd", "dtype=a.dtype, device=a.device)", "dtype=a.dtype, )",
+                _CPU),
+    Equivalence("rope.rope_cos_sin", "pos = torch.as_tensor(_positions(positions, \"positions\"), device=device)",
+                "device=None)", _CPU),
+    Equivalence("rope.rope_cos_sin", "pos = torch.as_tensor(_positions(positions, \"positions\"), device=device)",
+                "\"positions\"), )", _CPU),
+    Equivalence("rope.rope_cos_sin", ".to(device=device)", ".to(device=None)", _CPU),
+    Equivalence("rope.rope_cos_sin", "omega = torch.stack([rope_frequencies(b, d) for b in bases]).to(device)",
+                ".to(None)", _CPU),
+    Equivalence("rope.rope_cos_sin", "if not torch.is_tensor(spec.rope.", ") or True", _CPU_NUMPY),
+    Equivalence("rope.rope_cos_sin", "if not torch.is_tensor(spec.rope.", "torch.is_tensor(None)",
+                _CPU_NUMPY),
+    Equivalence("rope.rope_cos_sin", "ang = pos.to(torch.float64)", "pos.to(None)",
+                "int64 positions times float64 frequencies promote to float64: the same angles "
+                "(positions are far below 2^53)"),
+    # symmetry
+    Equivalence("kernel._pairwise", "lvb = (D.sum(-1)", "D.sum(-2)",
+                "D_jk = exp_phi[s_j, s_k] e^{-z_max} is symmetric (divided differences are "
+                "symmetric; so is the pair mask): its row and column sums agree"),
+    # dead or redundant branches
+    Equivalence("kernel._gauge", "bc = None if beta is None else", "(beta is None) and False",
+                "when beta is None, boff is None too, so the else branch also yields None"),
+    Equivalence("kernel.pairwise_weights", "z = zs.masked_fill(~mask[None], 0.0)",
+                "masked_fill(~mask[None], 1.0)",
+                "a masked key's entry only reaches pairs that the final masked_fill_(~pm, 0) "
+                "zeroes; the fill value just has to keep exp finite"),
+    Equivalence("kernel.transform_dd", "torch.where(delta > 0, delta", "delta >= 0",
+                "the guarded quotient is selected only across zero (lo < 0 < hi), where "
+                "delta > 0; where delta = 0 the other branch is taken (torch.where discards the "
+                "NaN)"),
+    Equivalence("kernel.phi1", "safe = torch.where(zero | big, torch.ones_like(s), s)",
+                "zero & big",
+                "safe only keeps the lanes that the final torch.where calls discard finite; "
+                "with the mutant they hold 0/0 and inf/s, which those calls still discard (the "
+                "values are unchanged; nothing differentiates phi1)"),
+    # boundaries where two exact formulas meet
+    Equivalence("kernel.phi1", "big = s > _BIG", "big = s >= _BIG",
+                "at s = 40 both branches agree to rounding: e^20 (e^20/40) and expm1(40)/40 "
+                "differ by a factor 1 - e^{-40}, below one ulp"),
+    Equivalence("kernel.scaled_phi1", "big = x > _BIG", "big = x >= _BIG",
+                "at x = 40 both branches agree to rounding: e^{shift+40}/40 and "
+                "e^shift (e^40 - 1)/40 differ by a factor 1 - e^{-40}, below one ulp"),
+    Equivalence("kernel.transform_dd", "return torch.where((lo < 0) & (hi > 0), across, same)",
+                "(lo <= 0) & (hi > 0)",
+                "at lo = 0 both branches are cancellation-free forms of tanh(hi)/hi: they "
+                "agree to rounding"),
+    Equivalence("kernel.transform_dd", "return torch.where((lo < 0) & (hi > 0), across, same)",
+                "(lo < 0) & (hi >= 0)",
+                "at hi = 0 both branches are cancellation-free forms of tanh(-lo)/(-lo): they "
+                "agree to rounding"),
+    Equivalence("kernel.gauge_chunk", "vq = None  # values centred per query", 'vq = ""',
+                "a placeholder: vq is read only on the paths that compute it (per-query form, "
+                "kappa, pairwise)"),
+    Equivalence("kernel.gauge_chunk", "masked_fill_(~mask[None, :, :, None], 0.0)",
+                "masked_fill_(~mask[None, :, :, None], 1.0)",
+                "entries of vq off the mask are only ever multiplied by zero weights (c_ij = 0, "
+                "D_jk = 0 there); any finite fill gives the same sums"),
+    Equivalence("kernel.augmented_weight", "return torch.cat((w, row), dim=0)",
+                "return torch.cat((w, row), )", "torch.cat's default dim is 0"),
+    Equivalence("kernel.uniform_mean", "mask.sum(-1).to(v.dtype)", "mask.sum(-1).to(None)",
+                "`.to(None)` keeps the integer count; true division promotes to v's dtype: the "
+                "same value"),
+    Equivalence("kernel.uniform_mean", "mask.sum(-1).to(v.dtype)", "mask.sum(+1)",
+                "the mask is 2-D (Q, N): axis +1 is axis -1"),
+    # regrouping and index wrap-around
+    Equivalence("kernel.PBlocks.__init__", "self.key_block = int(max(1, min(key_block, self.n)))",
+                "max(2,", "blocks of at least 2 keys only regroup the sum C @ P over keys (the "
+                "last block is clipped by min(n, lo + key_block))"),
+    Equivalence("rope.pair_indices", "(ell, ell + d // 2)", "(ell, ell - d // 2)",
+                "ell - d/2 is negative and wraps to ell + d/2 in every d x d matrix it indexes "
+                "(rope_generator, rope_rotation, rope_phi1)"),
+)
+
+
+# ---------------------------------------------------------------------------------------------
+# copies and subprocesses
+# ---------------------------------------------------------------------------------------------
+def make_copy(dest: Path, repo: Path = REPO) -> Path:
+    """Copy ``src/``, ``tests/`` and ``pyproject.toml`` of ``repo`` into ``dest`` (no caches)."""
+    dest.mkdir(parents=True, exist_ok=True)
+    for item in COPY_ITEMS:
+        src = repo / item
+        if src.is_dir():
+            shutil.copytree(src, dest / item, ignore=IGNORE)
+        elif src.is_file():
+            shutil.copy2(src, dest / item)
+        else:
+            raise BadInput(f"{item} is missing from {repo.name}")
+    return dest
+
+
+def child_env(copy: Path | None, profile: str, record: Path | None) -> dict[str, str]:
+    """Environment of the test runs: the copy's src first on the path, the plugin importable,
+    one intra-op thread (the machine is shared), no bytecode written into the copies."""
+    env = dict(os.environ)
+    paths = [str(TOOLS)]
+    if copy is not None:
+        paths.insert(0, str(copy / "src"))
+    env["PYTHONPATH"] = os.pathsep.join(paths)
+    env.update(HYPOTHESIS_PROFILE=profile, ROPESTEP_MUTANTS_NO_SHRINK="1",
+               PYTHONDONTWRITEBYTECODE="1", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1",
+               OPENBLAS_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1",
+               TRANSFORMERS_OFFLINE="1", PYTHONHASHSEED="0")
+    env.pop("MUTANT_UNDER_TEST", None)
+    if record is not None:
+        env["ROPESTEP_MUTANTS_RECORD"] = str(record)
+    else:
+        env.pop("ROPESTEP_MUTANTS_RECORD", None)
+    return env
+
+
+@dataclass
+class Proc:
+    rc: int | None  # None: timed out
+    seconds: float
+    output: str
+
+
+def run_proc(cmd: Sequence[str], cwd: Path, env: dict, timeout: float, log=None) -> Proc:
+    """Run ``cmd`` in its own process group; on timeout kill the whole group."""
+    t0 = time.monotonic()
+    p = subprocess.Popen(list(cmd), cwd=cwd, env=env, stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        out, _ = p.communicate(timeout=timeout)
+        rc = p.returncode
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        out, _ = p.communicate()
+        rc = None
+    if log is not None:
+        log.write(f"$ {' '.join(cmd)}  (cwd {cwd.name}, rc {rc})\n{out}\n")
+        log.flush()
+    return Proc(rc, time.monotonic() - t0, out or "")
+
+
+def pytest_cmd(tests: Iterable[str]) -> list[str]:
+    return [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "-p", PLUGIN,
+            "-p", "no:randomly", "-rfE", "--tb=line", *tests]
+
+
+def first_failure(output: str) -> str | None:
+    for line in output.splitlines():
+        m = re.match(r"^(FAILED|ERROR) (\S+)", line)
+        if m:
+            return m.group(2)
+    return None
+
+
+def probe_import(copy: Path, env: dict, log=None) -> str:
+    """Where ``ropestep`` is imported from in the copy: by ``python -c`` and inside pytest.
+    Raises BadInput unless both are the copy's ``src/ropestep``."""
+    code = "import ropestep, os; print(os.path.realpath(ropestep.__file__))"
+    p = run_proc([sys.executable, "-c", code], copy, env, 120, log)
+    where = p.output.strip().splitlines()[-1] if p.output.strip() else ""
+    want = os.path.realpath(copy / "src" / "ropestep" / "__init__.py")
+    if p.rc != 0 or where != want:
+        raise BadInput(f"the copy is not what gets imported: ropestep from {where!r}")
+    probe = copy / "tests" / "test_zz_mutants_probe.py"
+    probe.write_text(
+        "import os\n\n\ndef test_probe():\n    import ropestep\n"
+        "    assert os.path.realpath(ropestep.__file__) == " + repr(want) + "\n")
+    try:
+        p = run_proc(pytest_cmd([str(probe.relative_to(copy))]), copy, env, 300, log)
+    finally:
+        probe.unlink()
+    if p.rc != 0:
+        raise BadInput("inside pytest, ropestep is not imported from the copy:\n"
+                       + p.output[-2000:])
+    return "src/ropestep/__init__.py (of the temporary copy)"
+
+
+# ---------------------------------------------------------------------------------------------
+# semantic mutants
+# ---------------------------------------------------------------------------------------------
+@dataclass
+class Resolved:
+    mutant: Mutant
+    path: str  # relative to the repository
+    line: int | None  # 1-based line of the snippet's start; None when stale
+    count: int  # occurrences of the snippet
+
+
+def resolve(m: Mutant, root: Path = REPO) -> Resolved:
+    rel = f"{PKG}/{m.file}"
+    f = root / rel
+    text = f.read_text(encoding="utf-8") if f.is_file() else ""
+    n = text.count(m.original)
+    line = text[:text.index(m.original)].count("\n") + 1 if n else None
+    return Resolved(m, rel, line, n)
+
+
+def check_list(mutants: Sequence[Mutant]) -> None:
+    names = [m.name for m in mutants]
+    dup = sorted({n for n in names if names.count(n) > 1})
+    if dup:
+        raise BadInput(f"duplicate mutant names: {dup}")
+    for m in mutants:
+        if m.original == m.replacement:
+            raise BadInput(f"mutant {m.name}: the replacement equals the original")
+        if not m.tests:
+            raise BadInput(f"mutant {m.name}: no tests")
+
+
+def apply_mutant(copy: Path, r: Resolved) -> None:
+    """Replace the snippet in the copy (never in the repository)."""
+    f = copy / r.path
+    if copy.resolve() == REPO.resolve():
+        raise RuntimeError("refusing to mutate the working tree")
+    text = f.read_text(encoding="utf-8")
+    if text.count(r.mutant.original) != 1:
+        raise BadInput(f"{r.mutant.name}: snippet not unique in the copy of {r.path}")
+    new = text.replace(r.mutant.original, r.mutant.replacement)
+    try:
+        compile(new, r.path, "exec")
+    except SyntaxError as err:
+        raise BadInput(f"mutant {r.mutant.name} does not compile: {err}") from None
+    f.write_text(new, encoding="utf-8")
+
+
+def run_semantic(mutants: Sequence[Mutant], *, profile: str, timeout: float, work: Path,
+                 log=None, progress=print) -> dict:
+    """Every mutant on its own fresh copy; returns the part's report dict."""
+    check_list(mutants)
+    t0 = time.monotonic()
+    base = make_copy(work / "base")
+    env = child_env(base, profile, None)
+    imported = probe_import(base, env, log)
+    resolved = [resolve(m, base) for m in mutants]
+    # the unmutated copy must pass every subset used (else a "kill" would mean nothing)
+    baseline: dict[tuple, float] = {}
+    for r in resolved:
+        if r.count != 1 or r.mutant.tests in baseline:
+            continue
+        p = run_proc(pytest_cmd(r.mutant.tests), base, env, timeout, log)
+        if p.rc != 0:
+            why = "timed out" if p.rc is None else f"exit {p.rc}"
+            raise BadInput(f"the unmutated copy fails the subset {list(r.mutant.tests)} ({why}); "
+                           f"first failure {first_failure(p.output)}\n{p.output[-3000:]}")
+        baseline[r.mutant.tests] = round(p.seconds, 1)
+        progress(f"  baseline {' '.join(r.mutant.tests)}: pass ({p.seconds:.0f} s)")
+    rows = []
+    for k, r in enumerate(resolved, 1):
+        m = r.mutant
+        row = {"id": f"S{k:02d}", "name": m.name, "file": r.path, "line": r.line,
+               "description": m.models, "original": m.original, "replacement": m.replacement,
+               "tests": list(m.tests), "status": None, "killed_by": None, "seconds": 0.0}
+        if m.equivalent:
+            row["equivalent_reason"] = m.equivalent
+        if r.count != 1:
+            row["status"] = "stale"
+            row["note"] = ("snippet not found in the source (the code changed: update the "
+                           "mutant)" if r.count == 0 else
+                           f"snippet occurs {r.count} times (make it unique)")
+            rows.append(row)
+            progress(f"[{k}/{len(resolved)}] {m.name}: STALE")
+            continue
+        mdir = work / f"m{k:02d}"
+        shutil.copytree(base, mdir)
+        record = work / f"rec{k:02d}"
+        try:
+            apply_mutant(mdir, r)
+            p = run_proc(pytest_cmd(m.tests), mdir, child_env(mdir, profile, record), timeout, log)
+        finally:
+            shutil.rmtree(mdir, ignore_errors=True)
+        row["seconds"] = round(p.seconds, 1)
+        rec = record / "run"
+        killer = rec.read_text(encoding="utf-8") if rec.is_file() else first_failure(p.output)
+        shutil.rmtree(record, ignore_errors=True)
+        if p.rc is None:
+            row["status"] = "timeout"
+        elif p.rc == 0:
+            row["status"] = "equivalent" if m.equivalent else "survived"
+        elif p.rc in (1, 2, 3) and (killer or p.rc != 2):
+            row["status"] = "killed"
+            row["killed_by"] = killer or f"pytest exit {p.rc}"
+            if m.equivalent:
+                row["note"] = "declared equivalent but killed: fix the list"
+        else:
+            raise BadInput(f"mutant {m.name}: pytest exit {p.rc} (bad test selection?)\n"
+                           + p.output[-2000:])
+        rows.append(row)
+        progress(f"[{k}/{len(resolved)}] {m.name}: {row['status']}"
+                 + (f" by {row['killed_by']}" if row["killed_by"] else "")
+                 + f" ({p.seconds:.0f} s)")
+    return {"tool": "tools/mutants.py (named semantic mutants)",
+            "hypothesis_profile": profile, "per_mutant_timeout_s": timeout,
+            "imported_from": imported, "baseline_seconds": {" ".join(k): v
+                                                            for k, v in baseline.items()},
+            "runtime_s": round(time.monotonic() - t0, 1), "mutants": rows,
+            "summary": summarize(rows)}
+
+
+# ---------------------------------------------------------------------------------------------
+# mutmut
+# ---------------------------------------------------------------------------------------------
+def mutmut_config(repo: Path = REPO) -> dict:
+    import tomllib
+
+    data = tomllib.loads((repo / "pyproject.toml").read_text(encoding="utf-8"))
+    try:
+        return dict(data["tool"]["mutmut"])
+    except KeyError:
+        raise BadInput("pyproject.toml has no [tool.mutmut] section") from None
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    if isinstance(v, str):
+        return json.dumps(v)
+    if isinstance(v, (list, tuple)):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    raise TypeError(type(v))
+
+
+def write_mutmut_config(copy: Path, cfg: dict) -> None:
+    """Replace the copy's ``[tool.mutmut]`` table by ``cfg``."""
+    f = copy / "pyproject.toml"
+    lines = f.read_text(encoding="utf-8").splitlines()
+    out, skip = [], False
+    for line in lines:
+        if re.match(r"^\s*\[", line) and not line.lstrip().startswith("[["):
+            skip = line.strip() == "[tool.mutmut]"
+        elif line.lstrip().startswith("[["):
+            skip = False
+        if not skip:
+            out.append(line)
+    out += ["", "[tool.mutmut]"] + [f"{k} = {_toml_value(v)}" for k, v in cfg.items()]
+    f.write_text("\n".join(out) + "\n", encoding="utf-8")
+
+
+_NAME = re.compile(r"^(?:x_|xǁ(?P<cls>\w+)ǁ)(?P<fn>\w+?)__mutmut_(?P<n>orig|\d+)$")
+
+
+def _functions(tree: ast.AST) -> Iterable[tuple[str | None, ast.FunctionDef]]:
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            yield None, node
+        elif isinstance(node, ast.ClassDef):
+            for sub in node.body:
+                if isinstance(sub, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    yield node.name, sub
+
+
+def mutmut_diffs(mutated_file: Path, original_file: Path, rel: str) -> dict[str, dict]:
+    """Per mutant of one file: the function, the 1-based line in the original file and the
+    changed line before/after (``mutmut show`` without its process overhead)."""
+    msrc = mutated_file.read_text(encoding="utf-8")
+    mtree = ast.parse(msrc)
+    osrc = original_file.read_text(encoding="utf-8")
+    defs = {(cls, f.name): f.lineno for cls, f in _functions(ast.parse(osrc))}
+    bodies: dict[tuple, dict[str, list[str]]] = {}
+    for cls, node in _functions(mtree):
+        mm = _NAME.match(node.name)
+        if not mm:
+            continue
+        seg = (ast.get_source_segment(msrc, node) or "").replace(node.name, mm.group("fn"), 1)
+        lines = [ln.replace("# type: ignore # mutmut generated", "").rstrip()
+                 for ln in seg.splitlines()]  # from the def line (mangled name restored)
+        bodies.setdefault((cls, mm.group("fn")), {})[mm.group("n")] = lines
+    module = Path(rel).stem
+    out = {}
+    for (cls, fn), variants in bodies.items():
+        orig = variants.get("orig")
+        if orig is None:
+            continue
+        def_line = defs.get((cls, fn))
+        qual = f"{module}.{cls + '.' if cls else ''}{fn}"
+        mangled = f"x_{fn}" if cls is None else f"xǁ{cls}ǁ{fn}"
+        for n, lines in variants.items():
+            if n == "orig":
+                continue
+            sm = difflib.SequenceMatcher(a=orig, b=lines, autojunk=False)
+            before, after, at = [], [], None
+            for tag, i1, i2, j1, j2 in sm.get_opcodes():
+                if tag != "equal":
+                    at = i1 if at is None else at
+                    before += orig[i1:i2]
+                    after += lines[j1:j2]
+            name = f"ropestep.{module}.{mangled}__mutmut_{n}"
+            line = None if def_line is None or at is None else def_line + at
+            out[name] = {"function": qual, "line": line,
+                         "before": " / ".join(x.strip() for x in before),
+                         "after": " / ".join(x.strip() for x in after)}
+    return out
+
+
+def classify_equivalent(diff: dict) -> str | None:
+    for e in EQUIVALENT:
+        if (diff["function"] == e.function and e.original in diff["before"]
+                and e.mutated in diff["after"]):
+            return e.reason
+    return None
+
+
+def _mutmut_statuses(copy: Path) -> dict[str, int | None]:
+    codes: dict[str, int | None] = {}
+    for meta in sorted((copy / "mutants").rglob("*.py.meta")):
+        codes.update(json.loads(meta.read_text(encoding="utf-8"))["exit_code_by_key"])
+    return codes
+
+
+def run_mutmut(*, files: Sequence[str] | None, profile: str, retry_profile: str | None,
+               max_children: int, timeout: float, work: Path, log=None,
+               progress=print) -> dict:
+    """mutmut on a temporary copy; survivors retried with ``retry_profile``; returns the part."""
+    from mutmut.stats import status_by_exit_code
+
+    t0 = time.monotonic()
+    copy = make_copy(work / "mutmut")
+    cfg = mutmut_config()
+    if files:
+        cfg["only_mutate"] = [f if f.startswith("src/") else f"{PKG}/{f}" for f in files]
+    for f in cfg.get("only_mutate", []):
+        if not (REPO / f).is_file():
+            raise BadInput(f"--mutmut-files: {f} does not exist")
+    cfg["pytest_add_cli_args"] = list(cfg.get("pytest_add_cli_args", [])) + ["-p", PLUGIN]
+    cfg["use_git_change_detection"] = False
+    write_mutmut_config(copy, cfg)
+    record = work / "killed_by"
+    env = child_env(None, profile, record)
+    cmd = [sys.executable, "-m", "mutmut", "run", "--max-children", str(max_children)]
+    progress(f"  mutmut run ({', '.join(cfg.get('only_mutate', []))}; profile {profile})")
+    p = run_proc(cmd, copy, env, timeout, log)
+    if p.rc is None:
+        raise BadInput(f"mutmut run did not finish within {timeout:.0f} s (raise "
+                       "--mutmut-timeout)")
+    if p.rc != 0:
+        raise BadInput(f"mutmut run failed (exit {p.rc}):\n{p.output[-3000:]}")
+    codes = _mutmut_statuses(copy)
+    first_pass = {k: status_by_exit_code[v] for k, v in codes.items()}
+    diffs: dict[str, dict] = {}
+    for rel in cfg.get("only_mutate", []):
+        diffs.update(mutmut_diffs(copy / "mutants" / rel, copy / rel, rel))
+    # survivors not already explained by EQUIVALENT get a second chance with more examples
+    survivors = sorted(k for k, s in first_pass.items() if s == "survived"
+                       and not (k in diffs and classify_equivalent(diffs[k])))
+    retried = []
+    if retry_profile and survivors:
+        # the retry's tests run longer (more examples): scale mutmut's CPU-time limit with them
+        cfg["timeout_multiplier"] = float(cfg.get("timeout_multiplier", 15.0)) * 20
+        write_mutmut_config(copy, cfg)
+        progress(f"  retrying {len(survivors)} survivors with profile {retry_profile}")
+        for lo in range(0, len(survivors), 50):
+            chunk = survivors[lo:lo + 50]
+            p2 = run_proc(cmd + chunk, copy, child_env(None, retry_profile, record), timeout, log)
+            if p2.rc is None or p2.rc != 0:
+                raise BadInput(f"mutmut retry failed (exit {p2.rc}):\n{p2.output[-3000:]}")
+        retried = survivors
+        codes = _mutmut_statuses(copy)
+    rows = []
+    for name in sorted(codes, key=_natural):
+        raw = status_by_exit_code[codes[name]]
+        d = diffs.get(name, {"function": name, "line": None, "before": "", "after": ""})
+        module = name.split(".")[1]
+        row = {"id": name, "name": name.split(".", 2)[-1], "file": f"{PKG}/{module}.py",
+               "function": d["function"], "line": d["line"],
+               "description": f"{d['before']}  ->  {d['after']}", "mutmut_status": raw,
+               "status": None, "killed_by": None}
+        killer = record / name
+        if raw == "killed":
+            row["status"] = "killed"
+            row["killed_by"] = killer.read_text(encoding="utf-8") if killer.is_file() else None
+            if name in retried:
+                row["note"] = f"survived profile {profile}, killed with {retry_profile}"
+        elif raw == "timeout":
+            row["status"] = "timeout"
+        elif raw in ("survived", "no tests"):
+            reason = classify_equivalent(d)
+            row["status"] = "equivalent" if reason else "survived"
+            if reason:
+                row["equivalent_reason"] = reason
+            if raw == "no tests":
+                row["note"] = "no test of the selection calls this function"
+        else:  # suspicious, segfault, not checked, ...
+            row["status"] = "error"
+            row["note"] = f"mutmut status {raw!r}"
+        rows.append(row)
+    return {"tool": "mutmut", "config": {k: v for k, v in cfg.items()},
+            "hypothesis_profile": profile, "retry_profile": retry_profile,
+            "first_pass": _count(first_pass.values()), "runtime_s": round(time.monotonic() - t0, 1),
+            "mutants": rows, "summary": summarize(rows)}
+
+
+def _natural(name: str) -> tuple:
+    return tuple(int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name))
+
+
+def _count(values: Iterable[str]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for v in values:
+        out[v] = out.get(v, 0) + 1
+    return dict(sorted(out.items()))
+
+
+# ---------------------------------------------------------------------------------------------
+# the report
+# ---------------------------------------------------------------------------------------------
+def summarize(rows: Sequence[dict]) -> dict:
+    c = {s: sum(r["status"] == s for r in rows) for s in STATUSES}
+    total = len(rows)
+    den = total - c["equivalent"]
+    return {"total": total, **c,
+            "kill_rate": None if den == 0 else round(c["killed"] / den, 4)}
+
+
+def versions() -> dict:
+    import importlib.metadata as md
+
+    out = {"python": platform.python_version()}
+    for dist in ("torch", "numpy", "mpmath", "sympy", "hypothesis", "pytest", "mutmut",
+                 "transformers", "ropestep"):
+        try:
+            out[dist] = md.version(dist)
+        except md.PackageNotFoundError:
+            out[dist] = None
+    try:
+        out["git_commit"] = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO,
+                                           capture_output=True, text=True).stdout.strip() or None
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "src", "tests"], cwd=REPO,
+                               capture_output=True, text=True).stdout.strip()
+        out["git_dirty_src_or_tests"] = bool(dirty)
+    except OSError:
+        out["git_commit"] = None
+    return out
+
+
+def hardware() -> dict:
+    cpu = platform.processor() or ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {"cpu": cpu, "cpu_count": os.cpu_count(), "machine": platform.machine(),
+            "system": platform.system(), "gpu": None}
+
+
+def relative_command(argv: Sequence[str]) -> str:
+    out = []
+    for a in argv:
+        if os.path.isabs(a):
+            try:
+                a = os.path.relpath(a, REPO)
+            except ValueError:
+                a = Path(a).name
+            if a.startswith(".."):
+                a = "<outside the repository>/" + Path(a).name
+        out.append(a)
+    return "python tools/mutants.py " + " ".join(out)
+
+
+def scrub(obj: Any, secrets: Sequence[str]) -> Any:
+    """Remove machine paths (temporary directories, the checkout) from every string."""
+    if isinstance(obj, dict):
+        return {k: scrub(v, secrets) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [scrub(v, secrets) for v in obj]
+    if isinstance(obj, str):
+        for s in secrets:
+            if s:
+                obj = obj.replace(s + os.sep, "").replace(s, ".")
+        return obj
+    return obj
+
+
+def build_report(parts: dict, argv: Sequence[str], started: float, exit_code: int) -> dict:
+    rows = [r for p in parts.values() for r in p["mutants"]]
+    return {"schema": SCHEMA, "tool": "tools/mutants.py", "command": relative_command(argv),
+            "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "versions": versions(), "hardware": hardware(),
+            "seeds": {"hypothesis": "derandomized profiles (fixed seed per test); "
+                                    "shrinking off (tools/mutants_plugin.py)",
+                      "PYTHONHASHSEED": 0},
+            "runtime_s": round(time.monotonic() - started, 1), "exit_code": exit_code,
+            "summary": summarize(rows), "parts": parts}
+
+
+def _md_escape(s: Any) -> str:
+    return str("" if s is None else s).replace("|", "\\|").replace("\n", " ")
+
+
+def _code(s: str, limit: int = 90) -> str:
+    s = " ".join(s.split())
+    if len(s) > limit:
+        s = s[:limit - 1] + "…"
+    return "`" + s.replace("`", "'").replace("|", "\\|") + "`"
+
+
+def render_markdown(rep: dict) -> str:
+    L = ["# Mutation testing report", "",
+         "Generated by `tools/mutants.py` -- do not edit by hand; rerun the command.", "",
+         f"* Command: `{rep['command']}`", f"* Date: {rep['date']}",
+         f"* Runtime: {rep['runtime_s'] / 60:.1f} min; exit status {rep['exit_code']}",
+         "* Versions: " + ", ".join(f"{k} {v}" for k, v in rep["versions"].items()
+                                     if v is not None and not k.startswith("git")),
+         f"* Source: git commit {rep['versions'].get('git_commit')}"
+         + (" plus uncommitted changes in src/ or tests/"
+            if rep["versions"].get("git_dirty_src_or_tests") else ""),
+         f"* Hardware: {rep['hardware']['cpu']} ({rep['hardware']['cpu_count']} cores), no GPU",
+         f"* Seeds: {rep['seeds']['hypothesis']}", "",
+         "Kill rate = killed / (total - equivalent).  A timeout counts as detected but not as "
+         "killed.", "",
+         "| part | total | killed | survived | equivalent | timeout | stale | error | kill rate |",
+         "|---|---|---|---|---|---|---|---|---|"]
+    for name, part in list(rep["parts"].items()) + [("all", {"summary": rep["summary"]})]:
+        s = part["summary"]
+        kr = "n/a" if s["kill_rate"] is None else f"{100 * s['kill_rate']:.1f}%"
+        L.append(f"| {name} | {s['total']} | {s['killed']} | {s['survived']} | "
+                 f"{s['equivalent']} | {s['timeout']} | {s['stale']} | {s['error']} | {kr} |")
+    sem = rep["parts"].get("semantic")
+    if sem:
+        L += ["", "## Named semantic mutants", "",
+              f"Hypothesis profile `{sem['hypothesis_profile']}`, per-mutant timeout "
+              f"{sem['per_mutant_timeout_s']:.0f} s, runtime {sem['runtime_s'] / 60:.1f} min; "
+              f"`ropestep` imported from {sem['imported_from']}.", "",
+              "| id | mutant | where | what it models | status | killed by | s |",
+              "|---|---|---|---|---|---|---|"]
+        for r in sem["mutants"]:
+            where = f"{r['file'].removeprefix(PKG + '/')}:{r['line'] or '?'}"
+            status = r["status"]
+            if r.get("equivalent_reason"):
+                status += " (declared equivalent)"
+            L.append(f"| {r['id']} | `{r['name']}` | {where} | {_md_escape(r['description'])} "
+                     f"| {status} | {_md_escape(r['killed_by']) or '-'} | {r['seconds']} |")
+        notes = [r for r in sem["mutants"] if r["status"] != "killed" or r.get("note")]
+        if notes:
+            L += ["", "Not killed:", ""]
+            for r in notes:
+                L.append(f"* `{r['name']}` ({r['status']}): "
+                         + _md_escape(r.get("equivalent_reason") or r.get("note") or ""))
+    mm = rep["parts"].get("mutmut")
+    if mm:
+        cfg = mm["config"]
+        L += ["", "## mutmut", "",
+              f"Files: {', '.join('`' + f + '`' for f in cfg.get('only_mutate', []))}.  Test "
+              f"selection: `{' '.join(cfg.get('pytest_add_cli_args_test_selection', []))}`; "
+              f"mutmut runs, per mutant, the selected tests that call the mutated function.  "
+              f"First pass with hypothesis profile `{mm['hypothesis_profile']}`"
+              + (f", survivors retried with `{mm['retry_profile']}`" if mm["retry_profile"]
+                 else "") + f".  Runtime {mm['runtime_s'] / 60:.1f} min.", "",
+              "First pass (mutmut's own statuses): "
+              + ", ".join(f"{k} {v}" for k, v in mm["first_pass"].items()), "",
+              "| function | mutants | killed | survived | equivalent | timeout | error |",
+              "|---|---|---|---|---|---|---|"]
+        by_fn: dict[str, list] = {}
+        for r in mm["mutants"]:
+            by_fn.setdefault(r["function"], []).append(r)
+        for fn, rs in by_fn.items():
+            s = summarize(rs)
+            L.append(f"| `{fn}` | {s['total']} | {s['killed']} | {s['survived']} | "
+                     f"{s['equivalent']} | {s['timeout']} | {s['error']} |")
+        rest = [r for r in mm["mutants"] if r["status"] != "killed"]
+        L += ["", f"### Mutants not killed ({len(rest)})", "",
+              "| mutant | line | mutation | status | reason |", "|---|---|---|---|---|"]
+        for r in rest:
+            L.append(f"| `{r['name']}` | {r['file'].removeprefix(PKG + '/')}:{r['line']} | "
+                     f"{_code(r['description'], 120)} | {r['status']} | "
+                     f"{_md_escape(r.get('equivalent_reason') or r.get('note') or '')} |")
+        killers: dict[str, int] = {}
+        for r in mm["mutants"]:
+            if r["killed_by"]:
+                k = r["killed_by"].split("[")[0]
+                killers[k] = killers.get(k, 0) + 1
+        if killers:
+            L += ["", "First failing test of the killed mutants (top 15):", "",
+                  "| test | mutants |", "|---|---|"]
+            for k, v in sorted(killers.items(), key=lambda kv: -kv[1])[:15]:
+                L.append(f"| `{k}` | {v} |")
+    return "\n".join(L) + "\n"
+
+
+def write_report(rep: dict, out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = out / ".report.json.tmp"
+    tmp.write_text(json.dumps(rep, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+    tmp.replace(out / "report.json")
+    tmpm = out / ".report.md.tmp"
+    tmpm.write_text(render_markdown(rep), encoding="utf-8")
+    tmpm.replace(out / "report.md")
+
+
+def exit_status(parts: dict) -> int:
+    for part in parts.values():
+        for r in part["mutants"]:
+            if r["status"] in ("survived", "stale"):
+                return 1
+            if r.get("note", "").startswith("declared equivalent but killed"):
+                return 1
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------
+# command line
+# ---------------------------------------------------------------------------------------------
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # exit 2 (argparse's default too), one line
+        raise BadInput(message)
+
+
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    ap = _Parser(prog="tools/mutants.py", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--semantic", action="store_true", help="run the named semantic mutants")
+    ap.add_argument("--mutmut", action="store_true", help="run mutmut (kernel.py, rope.py)")
+    ap.add_argument("--out", default=str(REPO / "mutation"),
+                    help="report directory (default: mutation/ of the repository)")
+    ap.add_argument("--only", default=None,
+                    help="comma-separated semantic mutant names (default: all)")
+    ap.add_argument("--list", action="store_true",
+                    help="resolve the semantic mutants against the source and print them")
+    ap.add_argument("--profile", default="quick", choices=("quick", "ci", "fuzz"),
+                    help="hypothesis profile of the semantic runs and mutmut's first pass")
+    ap.add_argument("--retry-profile", default="ci", choices=("quick", "ci", "fuzz", "none"),
+                    help="profile for retrying mutmut survivors ('none': no retry)")
+    ap.add_argument("--timeout", type=float, default=600.0,
+                    help="seconds per semantic mutant (default 600)")
+    ap.add_argument("--mutmut-files", default=None,
+                    help="comma-separated files to mutate (default: [tool.mutmut] only_mutate)")
+    ap.add_argument("--max-children", type=int, default=1, help="mutmut workers (default 1)")
+    ap.add_argument("--mutmut-timeout", type=float, default=6 * 3600.0,
+                    help="seconds for the whole mutmut run (default 6 h)")
+    ap.add_argument("--no-report", action="store_true", help="do not write the report")
+    ap.add_argument("--keep", action="store_true", help="keep the temporary copies")
+    a = ap.parse_args(list(argv))
+    if a.timeout <= 0 or a.mutmut_timeout <= 0 or a.max_children < 1:
+        raise BadInput("timeouts must be > 0 and --max-children >= 1")
+    return a
+
+
+def main(argv: Sequence[str] | None = None, mutants: Sequence[Mutant] = MUTANTS) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    started = time.monotonic()
+    try:
+        a = parse_args(argv)
+        check_list(mutants)
+        selected = list(mutants)
+        if a.only:
+            names = [n.strip() for n in a.only.split(",") if n.strip()]
+            known = {m.name for m in mutants}
+            unknown = [n for n in names if n not in known]
+            if unknown:
+                raise BadInput(f"unknown mutant(s): {', '.join(unknown)}")
+            selected = [m for m in mutants if m.name in names]
+        if a.list:
+            stale = 0
+            for k, m in enumerate(selected, 1):
+                r = resolve(m)
+                ok = r.count == 1
+                stale += not ok
+                print(f"S{k:02d} {m.name:36s} {r.path}:{r.line or '?':<5} "
+                      f"{'ok' if ok else 'STALE' if r.count == 0 else f'AMBIGUOUS x{r.count}'}"
+                      f"{'  (declared equivalent)' if m.equivalent else ''}")
+            return 1 if stale else 0
+        if not a.semantic and not a.mutmut:
+            a.semantic = a.mutmut = True
+        out = Path(a.out)
+        out = out if out.is_absolute() else Path.cwd() / out
+        work = Path(tempfile.mkdtemp(prefix="ropestep-mutants-"))
+        parts: dict = {}
+        log_path = work / "run.log"
+        try:
+            with open(log_path, "w", encoding="utf-8") as log:
+                def progress(msg: str) -> None:
+                    print(msg, file=sys.stderr, flush=True)
+                if a.semantic:
+                    progress(f"semantic mutants: {len(selected)} (profile {a.profile})")
+                    parts["semantic"] = run_semantic(selected, profile=a.profile,
+                                                     timeout=a.timeout, work=work, log=log,
+                                                     progress=progress)
+                if a.mutmut:
+                    progress("mutmut:")
+                    files = a.mutmut_files.split(",") if a.mutmut_files else None
+                    retry = None if a.retry_profile == "none" else a.retry_profile
+                    parts["mutmut"] = run_mutmut(files=files, profile=a.profile,
+                                                 retry_profile=retry,
+                                                 max_children=a.max_children,
+                                                 timeout=a.mutmut_timeout, work=work, log=log,
+                                                 progress=progress)
+        finally:
+            if a.keep:
+                print(f"temporary copies kept in {work}", file=sys.stderr)
+            else:
+                shutil.rmtree(work, ignore_errors=True)
+        code = exit_status(parts)
+        # parts not run now are carried over from the previous report (marked as such)
+        prev = out / "report.json"
+        if prev.is_file() and not a.no_report:
+            try:
+                old = json.loads(prev.read_text(encoding="utf-8"))
+                for name, part in old.get("parts", {}).items():
+                    if name not in parts:
+                        part.setdefault("carried_over_from", old.get("date"))
+                        parts[name] = part
+            except (OSError, ValueError):
+                pass
+        rep = scrub(build_report(parts, argv, started, code),
+                    [str(work), os.path.realpath(work), str(REPO), tempfile.gettempdir()])
+        if not a.no_report:
+            write_report(rep, out)
+        s = rep["summary"]
+        print(f"total {s['total']}, killed {s['killed']}, survived {s['survived']}, "
+              f"equivalent {s['equivalent']}, timeout {s['timeout']}, stale {s['stale']}, "
+              f"error {s['error']}, kill rate {s['kill_rate']}", file=sys.stderr)
+        return code
+    except BadInput as err:
+        print(f"tools/mutants.py: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
