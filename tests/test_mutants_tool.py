@@ -11,11 +11,9 @@
 """
 from __future__ import annotations
 
-import copy
 import hashlib
 import importlib.util
 import json
-import math
 import sys
 from pathlib import Path
 

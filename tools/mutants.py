@@ -46,7 +46,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Iterable, Sequence
@@ -116,8 +116,8 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant("coef-rho-without-anchor", "kernel.py",
            "c = scaled_phi1(sm.z - zsig, zsig - sm.zmax)",
            "c = scaled_phi1(sm.z, zsig - sm.zmax)",
-           "anchored coefficient e^{phi(sigma)} rho(z) instead of e^{phi(sigma)} rho(z - phi(sigma)) "
-           "(max-key and free gauges)"),
+           "anchored coefficient e^{phi(sigma)} rho(z) instead of "
+           "e^{phi(sigma)} rho(z - phi(sigma)) (max-key and free gauges)"),
     Mutant("coef-unnormalised", "kernel.py",
            "* transform_dd(sm.s, sig, softcap) / sm.zbar",
            "* transform_dd(sm.s, sig, softcap)",
@@ -142,7 +142,8 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant("maxkey-bias-offset-dropped", "kernel.py",
            "boff = torch.gather(beta, -1, js[..., None])",
            "boff = None",
-           "max-key gauge with additive biases: the bias offset beta_o = beta_{i j*} forgotten in b"),
+           "max-key gauge with additive biases: the bias offset beta_o = beta_{i j*} forgotten "
+           "in b"),
     Mutant("free-gauge-sigma-w-sign", "kernel.py",
            "readout = readout - sig * w",
            "readout = readout + sig * w",
@@ -175,7 +176,8 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant("alibi-slope-of-group", "scale.py",
            "beta = -L.slopes[hidx][:, None, None] * dp[None]",
            "beta = -L.slopes[:len(hs)][:, None, None] * dp[None]",
-           "streamed path: every key group uses the slopes of heads 0..G-1 instead of its own heads",
+           "streamed path: every key group uses the slopes of heads 0..G-1 instead of its own "
+           "heads",
            tests=SCALE_FAST),
     Mutant("qknorm-sum-not-mean", "kernel.py",
            "return x * torch.rsqrt((x * x).mean(-1, keepdim=True) + eps) * w",
@@ -277,7 +279,7 @@ MUTANTS: tuple[Mutant, ...] = (
            "B = torch.exp(tt[:, None] * zm)",
            "low-rank pairwise kernel: b_n = e^{t_n z} instead of e^{(1 - t_n) z}",
            tests=(T_LOWRANK,)),
-    # --- streamed path ------------------------------------------------------------------------------
+    # --- streamed path ---------------------------------------------------------------------------
     Mutant("scale-causal-mask-strict", "scale.py",
            "return pos[None, :n] <= pos[qi][:, None]",
            "return pos[None, :n] < pos[qi][:, None]",
@@ -294,11 +296,12 @@ MUTANTS: tuple[Mutant, ...] = (
            "original gauge overflow: no FloatingPointError naming the gauge and the remedy where "
            "the coefficients are made",
            tests=(T_NONFINITE, T_BAD)),
-    # --- kappa ----------------------------------------------------------------------------------------
+    # --- kappa -----------------------------------------------------------------------------------
     Mutant("kappa-times-1e8", "kernel.py",
-           "out[\"kappa\"] = kappa_sum(c.abs() * absdot, vq, vh if vbar is None else vh + vbar, mask)",
-           "out[\"kappa\"] = 1e8 * kappa_sum(c.abs() * absdot, vq, vh if vbar is None else vh + vbar, "
+           "out[\"kappa\"] = kappa_sum(c.abs() * absdot, vq, vh if vbar is None else vh + vbar, "
            "mask)",
+           "out[\"kappa\"] = 1e8 * kappa_sum(c.abs() * absdot, vq, vh if vbar is None else "
+           "vh + vbar, mask)",
            "the readout's condition number inflated 1e8-fold (every readout tolerance widens)",
            tests=(T_KAPPA + "::test_fast_kappa_matches_exact",)),
     Mutant("kappa-bias-term-dropped", "kernel.py",
@@ -350,9 +353,10 @@ MUTANTS: tuple[Mutant, ...] = (
            "kbar, vbar = k[0], v[0]",
            "streamed path: keys and values centred on the first token instead of their means",
            tests=SCALE_FAST,
-           equivalent="any constant offset pulls out of T, b and the readout exactly (docs/math.md: "
-                      "'any constant pulls out exactly'); the mean only limits cancellation, and "
-                      "these layers (N <= 96, scores O(1)) stay far inside the 1e-12 tolerance"),
+           equivalent="any constant offset pulls out of T, b and the readout exactly "
+                      "(ropestep.scale: 'any constant shift can be pulled out of the sums "
+                      "exactly'); the mean only limits cancellation, and these layers (N <= 96, "
+                      "scores O(1)) stay far inside the 1e-12 tolerance"),
     Mutant("laplacian-column-sums", "kernel.py",
            "return D.sum(-1, keepdim=True) * x - D @ x",
            "return D.sum(-2)[..., None] * x - D @ x",
@@ -376,13 +380,18 @@ class Equivalence:
     reason: str
 
 
-_CPU = ("on the CPU, where this suite runs, device=None is the tensor's device; on CUDA the "
-        "result would land on the CPU and the next product would raise (a CUDA run of "
-        "tests/test_fast_vs_exact.py kills it)")
-
+# device=None is the CPU: the same tensor on this CPU-only suite, the wrong device on CUDA
+_CPU = "on the CPU, where this suite runs, device=None is the tensor's own device"
+_CPU_STREAMED = (_CPU + "; on CUDA the tensor would stay on the CPU and the next product would "
+                 "raise -- tests/test_cuda.py runs this path on CUDA where a GPU is present")
+_CPU_TABLES = (_CPU + "; on CUDA the model-table branch would leave the tables on the CPU, "
+               "which no test exercises (proposal: a CUDA run of scale.identity_check on a "
+               "layer_head spec, as in tests/models/test_adapter.py)")
+_CPU_FAST = (_CPU + "; fast.step on CUDA is not exercised by any test (proposal: a CUDA variant of "
+             "tests/test_fast_vs_exact.py::test_float64_matches_exact)")
 _CPU_NUMPY = ("np.asarray of a CPU tensor is a view of the same float64 values, so tensors and "
-              "arrays give the same tables; on CUDA np.asarray of a device tensor raises (a CUDA "
-              "run of tests/models/test_adapter.py kills it)")
+              "arrays give the same tables; layer_head keeps the tables on the CPU even for a "
+              "CUDA layer, so no device tensor ever reaches np.asarray here")
 
 EQUIVALENT: tuple[Equivalence, ...] = (
     # axis aliases: the operand's rank fixes which axis +k names
@@ -419,19 +428,21 @@ EQUIVALENT: tuple[Equivalence, ...] = (
                 "head_dim is even (spec validation), so head_dim / 2 is a whole number and "
                 "arange gives the same float64 values"),
     # device placement (CPU-only equivalence)
-    Equivalence("kernel.augment", "device=x.device)), dim=-1)", "device=None)), dim=-1)", _CPU),
+    Equivalence("kernel.augment", "device=x.device)), dim=-1)", "device=None)), dim=-1)",
+                _CPU_FAST),
     Equivalence("kernel.augment", "dtype=x.dtype, device=x.device)), dim=-1)",
-                "dtype=x.dtype, )), dim=-1)", _CPU),
-    Equivalence("kernel.transform_dd", "device=a.device)", "device=None)", _CPU),
+                "dtype=x.dtype, )), dim=-1)", _CPU_FAST),
+    Equivalence("kernel.transform_dd", "device=a.device)", "device=None)", _CPU_STREAMED),
     Equivalence("kernel.transform_dd", "dtype=a.dtype, device=a.device)", "dtype=a.dtype, )",
-                _CPU),
-    Equivalence("rope.rope_cos_sin", "pos = torch.as_tensor(_positions(positions, \"positions\"), device=device)",
-                "device=None)", _CPU),
-    Equivalence("rope.rope_cos_sin", "pos = torch.as_tensor(_positions(positions, \"positions\"), device=device)",
-                "\"positions\"), )", _CPU),
-    Equivalence("rope.rope_cos_sin", ".to(device=device)", ".to(device=None)", _CPU),
-    Equivalence("rope.rope_cos_sin", "omega = torch.stack([rope_frequencies(b, d) for b in bases]).to(device)",
-                ".to(None)", _CPU),
+                _CPU_STREAMED),
+    Equivalence("rope.rope_cos_sin", 'pos = torch.as_tensor(_positions(positions, "positions")',
+                "device=None)", _CPU_STREAMED),
+    Equivalence("rope.rope_cos_sin", 'pos = torch.as_tensor(_positions(positions, "positions")',
+                '"positions"), )', _CPU_STREAMED),
+    Equivalence("rope.rope_cos_sin", ".to(device=device)", ".to(device=None)", _CPU_TABLES),
+    Equivalence("rope.rope_cos_sin",
+                "omega = torch.stack([rope_frequencies(b, d) for b in bases]).to(device)",
+                ".to(None)", _CPU_STREAMED),
     Equivalence("rope.rope_cos_sin", "if not torch.is_tensor(spec.rope.", ") or True", _CPU_NUMPY),
     Equivalence("rope.rope_cos_sin", "if not torch.is_tensor(spec.rope.", "torch.is_tensor(None)",
                 _CPU_NUMPY),
@@ -905,7 +916,7 @@ def run_mutmut(*, files: Sequence[str] | None, profile: str, retry_profile: str 
             row["note"] = f"mutmut status {raw!r}"
         rows.append(row)
     return {"tool": "mutmut", "config": {k: v for k, v in cfg.items()},
-            "hypothesis_profile": profile, "retry_profile": retry_profile,
+            "hypothesis_profile": profile, "retry_profile": retry_profile, "retried": retried,
             "first_pass": _count(first_pass.values()), "runtime_s": round(time.monotonic() - t0, 1),
             "mutants": rows, "summary": summarize(rows)}
 
@@ -1017,6 +1028,25 @@ def _code(s: str, limit: int = 90) -> str:
     return "`" + s.replace("`", "'").replace("|", "\\|") + "`"
 
 
+def short_change(description: str, ctx: int = 24) -> str:
+    """``before  ->  after`` shown as the changed span with ``ctx`` characters around it."""
+    before, _, after = description.partition("  ->  ")
+    before, after = " ".join(before.split()), " ".join(after.split())
+    i = 0
+    while i < min(len(before), len(after)) and before[i] == after[i]:
+        i += 1
+    j = 0
+    while (j < min(len(before), len(after)) - i and before[len(before) - 1 - j]
+           == after[len(after) - 1 - j]):
+        j += 1
+    lo = max(0, i - ctx)
+    pre = ("…" if lo > 0 else "") + before[lo:i]
+    suf_b = before[len(before) - j:]
+    suf = suf_b[:ctx] + ("…" if len(suf_b) > ctx else "")
+    old, new = before[i:len(before) - j], after[i:len(after) - j]
+    return f"{_code(pre + old + suf, 200)} → {_code(pre + new + suf, 200)}"
+
+
 def render_markdown(rep: dict) -> str:
     L = ["# Mutation testing report", "",
          "Generated by `tools/mutants.py` -- do not edit by hand; rerun the command.", "",
@@ -1067,8 +1097,10 @@ def render_markdown(rep: dict) -> str:
               f"selection: `{' '.join(cfg.get('pytest_add_cli_args_test_selection', []))}`; "
               f"mutmut runs, per mutant, the selected tests that call the mutated function.  "
               f"First pass with hypothesis profile `{mm['hypothesis_profile']}`"
-              + (f", survivors retried with `{mm['retry_profile']}`" if mm["retry_profile"]
-                 else "") + f".  Runtime {mm['runtime_s'] / 60:.1f} min.", "",
+              + (f"; survivors not explained by `EQUIVALENT` (tools/mutants.py) are retried "
+                 f"with `{mm['retry_profile']}` ({len(mm.get('retried', []))} this run)"
+                 if mm["retry_profile"] else "") + f".  Runtime {mm['runtime_s'] / 60:.1f} min.",
+              "",
               "First pass (mutmut's own statuses): "
               + ", ".join(f"{k} {v}" for k, v in mm["first_pass"].items()), "",
               "| function | mutants | killed | survived | equivalent | timeout | error |",
@@ -1085,16 +1117,18 @@ def render_markdown(rep: dict) -> str:
               "| mutant | line | mutation | status | reason |", "|---|---|---|---|---|"]
         for r in rest:
             L.append(f"| `{r['name']}` | {r['file'].removeprefix(PKG + '/')}:{r['line']} | "
-                     f"{_code(r['description'], 120)} | {r['status']} | "
+                     f"{short_change(r['description'])} | {r['status']} | "
                      f"{_md_escape(r.get('equivalent_reason') or r.get('note') or '')} |")
+        L += ["", "Killed mutants by their first failing test (the test ids mutmut hands "
+                  "pytest are ordered by a fixed hash seed, so this is the first killer found, "
+                  "not the only one)."]
         killers: dict[str, int] = {}
         for r in mm["mutants"]:
             if r["killed_by"]:
                 k = r["killed_by"].split("[")[0]
                 killers[k] = killers.get(k, 0) + 1
         if killers:
-            L += ["", "First failing test of the killed mutants (top 15):", "",
-                  "| test | mutants |", "|---|---|"]
+            L += ["", "| test (top 15) | mutants |", "|---|---|"]
             for k, v in sorted(killers.items(), key=lambda kv: -kv[1])[:15]:
                 L.append(f"| `{k}` | {v} |")
     return "\n".join(L) + "\n"
@@ -1149,6 +1183,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     ap.add_argument("--max-children", type=int, default=1, help="mutmut workers (default 1)")
     ap.add_argument("--mutmut-timeout", type=float, default=6 * 3600.0,
                     help="seconds for the whole mutmut run (default 6 h)")
+    ap.add_argument("--render", action="store_true",
+                    help="only re-render report.md from the report.json in --out")
     ap.add_argument("--no-report", action="store_true", help="do not write the report")
     ap.add_argument("--keep", action="store_true", help="keep the temporary copies")
     a = ap.parse_args(list(argv))
@@ -1181,6 +1217,13 @@ def main(argv: Sequence[str] | None = None, mutants: Sequence[Mutant] = MUTANTS)
                       f"{'ok' if ok else 'STALE' if r.count == 0 else f'AMBIGUOUS x{r.count}'}"
                       f"{'  (declared equivalent)' if m.equivalent else ''}")
             return 1 if stale else 0
+        if a.render:
+            src = Path(a.out) / "report.json"
+            if not src.is_file():
+                raise BadInput(f"--render: {src} does not exist")
+            rep = json.loads(src.read_text(encoding="utf-8"))
+            (Path(a.out) / "report.md").write_text(render_markdown(rep), encoding="utf-8")
+            return 0
         if not a.semantic and not a.mutmut:
             a.semantic = a.mutmut = True
         out = Path(a.out)
