@@ -131,3 +131,75 @@ def rope_finite_difference(spec: HeadSpec, z: Any, delta: float, head: int = 0) 
 def pair_indices(ell: int, d: int, layout: str) -> tuple[int, int]:
     return (ell, ell + d // 2) if layout == "half" else (2 * ell, 2 * ell + 1)
 
+
+
+# ---------------------------------------------------------------------------------------------
+# frequency bands and the per-head-base "barycenter" (docs/math.md section 10)
+# ---------------------------------------------------------------------------------------------
+def frequency_index(head_dim: int, layout: str) -> torch.Tensor:
+    """The RoPE pair index ``l`` of every head dimension ``c = 0..d-1`` (int64, shape ``(d,)``).
+
+    ``layout="half"``: ``l = c mod d/2``; ``"interleaved"``: ``l = c // 2``.  Pair ``l`` turns at
+    ``omega_l = base^(-2l/d)``: ``l = 0`` is the *fastest* pair (one radian per position) and
+    ``l = d/2 - 1`` the slowest, for every base.  Raising the base slows every pair but the first.
+    """
+    if head_dim % 2:
+        raise ValueError(f"RoPE needs an even head_dim, got {head_dim}")
+    c = torch.arange(head_dim)
+    if layout == "half":
+        return c % (head_dim // 2)
+    if layout == "interleaved":
+        return c // 2
+    raise ValueError(f"unknown RoPE layout {layout!r}")
+
+
+def band_energy(w: torch.Tensor, layout: str) -> torch.Tensor:
+    """Squared Frobenius energy of a head's projection per RoPE pair, shape ``(d/2,)``.
+
+    ``w`` is one head's projection in math layout ``(m, d)`` (column ``c`` is head dimension
+    ``c``; a PyTorch ``Linear`` row).  Pair ``l`` collects its two dimensions.
+    """
+    if w.ndim != 2:
+        raise ValueError(f"band_energy: expected one head's (m, d) projection, got {tuple(w.shape)}")
+    d = w.shape[1]
+    ell = frequency_index(d, layout).to(w.device)
+    col = (w.to(torch.float64) ** 2).sum(0)
+    return torch.zeros(d // 2, dtype=torch.float64, device=w.device).index_add_(0, ell, col)
+
+
+def barycenter(w_q: torch.Tensor, w_k: torch.Tensor, layout: str) -> float:
+    """Where a head "lives" along the frequency axis, ``t`` in ``[0, 1]``.
+
+    The seed document's heuristic made precise: the importance of head dimension ``c`` is the sum
+    of the norms of its W_q and W_k rows (``||w_q[:, c]|| + ||w_k[:, c]||``, math layout
+    ``(m, d)``); each dimension sits at ``l(c) / (d/2 - 1)`` on the frequency axis, with ``l(c)``
+    its RoPE pair (:func:`frequency_index`); ``t`` is the importance-weighted mean position.
+    ``t = 0``: the head's energy is in the fast (high-frequency, short-range) pairs; ``t = 1``: in
+    the slow (long-range) pairs.  (The document's sketch indexes the concatenated [W_q; W_k] rows
+    0..2d-1 directly, which puts every key row on the slow half of the axis whatever the layout;
+    here queries and keys share the axis and the layout decides the pairing.)
+    """
+    if w_q.shape != w_k.shape or w_q.ndim != 2:
+        raise ValueError(f"barycenter: W_q {tuple(w_q.shape)} and W_k {tuple(w_k.shape)} must be "
+                         f"one head's (m, d) projections of the same shape")
+    d = w_q.shape[1]
+    if d < 4:
+        raise ValueError(f"barycenter needs head_dim >= 4 (two RoPE pairs), got {d}")
+    imp = w_q.to(torch.float64).norm(dim=0) + w_k.to(torch.float64).norm(dim=0)
+    if not torch.isfinite(imp).all():
+        raise ValueError("barycenter: W_q/W_k contain NaN or inf")
+    total = float(imp.sum())
+    if total <= 0.0:
+        raise ValueError("barycenter: W_q and W_k of this head are zero")
+    pos = frequency_index(d, layout).to(torch.float64).to(imp.device) / (d // 2 - 1)
+    return float((imp * pos).sum()) / total
+
+
+def barycenter_base(t: float, base_min: float = 1e3, base_max: float = 1e6) -> float:
+    """The document's geometric interpolation ``base_min^(1-t) * base_max^t`` (``t`` in [0, 1])."""
+    if not (0.0 <= t <= 1.0) or not math.isfinite(t):
+        raise ValueError(f"barycenter t must lie in [0, 1], got {t}")
+    if not (0.0 < base_min <= base_max) or not math.isfinite(base_max):
+        raise ValueError(f"base range must satisfy 0 < base_min <= base_max < inf, got "
+                         f"[{base_min}, {base_max}]")
+    return float(math.exp((1.0 - t) * math.log(base_min) + t * math.log(base_max)))
