@@ -150,8 +150,9 @@ def test_outside_pattern_spares_the_repository_documents():
 # the repository
 # ---------------------------------------------------------------------------------------------
 def test_math_and_protocol_are_numbered():
-    """docs/math.md has exactly sections 1..9; docs/protocol.md is numbered 1..n without gaps."""
-    assert sorted(headings(ROOT / "docs" / "math.md")) == list(range(1, 10))
+    """docs/math.md and docs/protocol.md are numbered 1..n without gaps."""
+    math_ = sorted(headings(ROOT / "docs" / "math.md"))
+    assert math_ == list(range(1, len(math_) + 1)) and len(math_) >= 10
     proto = sorted(headings(ROOT / "docs" / "protocol.md"))
     assert proto == list(range(1, len(proto) + 1)) and len(proto) >= 5
 
