@@ -185,3 +185,36 @@ def test_capture_mutations_fail_the_native_comparison(case, monkeypatch):
     for name, r in (("wrong layer", wrong), ("off by one", shifted), ("no self", noself)):
         print(name, _native_rel(r), "tol", tol)
         assert _native_rel(r) > tolerances.NATIVE_DETECT_FACTOR * tol, name
+
+
+def test_capture_mutations_fail_the_model_dtype_comparison(case):
+    """The per-query kappa-aware bound on the float32 max-key readout against the native output
+    (``tolerances.model_dtype_native_bound``) holds on the oracle's output and is violated by a
+    wrong capture (an off-by-one position, the wrong layer's input)."""
+    spec, w, x, E, res = case
+    m = x.shape[1]
+    ok = atlas.summarise_layer([res], spec, m, N, torch.float32)
+    assert all(h["checks"]["model_dtype_vs_native"] for h in ok["heads"])
+    native = torch.as_tensor(exact.to_float(E.y)).permute(1, 0, 2)
+    _, _, x_other = layer(seed=5)
+    for name, r in (
+            ("off by one", atlas.evaluate_layer(spec, w, x, torch.arange(N),
+                                                torch.roll(native, 1, 0), anchor_every=ANCHOR)),
+            ("wrong layer", atlas.evaluate_layer(spec, w, x_other, torch.arange(N), native,
+                                                 anchor_every=ANCHOR))):
+        out = atlas.summarise_layer([r], spec, m, N, torch.float32)
+        ratios = [h["model_dtype_vs_native_bound_ratio_max"] for h in out["heads"]]
+        print(name, ratios)
+        assert not out["passed"] and max(ratios) > tolerances.NATIVE_DETECT_FACTOR, name
+        assert not any(h["checks"]["model_dtype_vs_native"] for h in out["heads"]), name
+
+
+def test_model_dtype_bound_grows_with_kappa():
+    """The bound is kappa-aware: at kappa 1000 it is ~1000 times the readout part at kappa 1,
+    while the model-side part (a convex combination, condition 1) does not move."""
+    b1 = tolerances.model_dtype_native_bound(torch.float32, 1.0, 512, 64, 576, 10.0, 5.0, 1.0, 0.0)
+    b2 = tolerances.model_dtype_native_bound(torch.float32, 1e3, 512, 64, 576, 10.0, 5.0, 1.0, 0.0)
+    assert math.isclose(float(b2 / b1), 1e3, rel_tol=1e-12)
+    side = tolerances.model_dtype_native_bound(torch.float32, 1e3, 512, 64, 576, 10.0, 5.0, 0.0,
+                                               1.0)
+    assert math.isclose(float(side), tolerances.native_rel_tol(512, 64, 576), rel_tol=1e-12)

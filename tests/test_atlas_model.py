@@ -38,7 +38,10 @@ def test_tiny_qwen2_every_layer_head_and_query(tiny_dir, tmp_path):
         for h in lr["heads"]:
             assert h["identity_float64_rel_max"] <= tolerances.FLOAT64_REL
             assert h["float64_vs_native_rel"] <= h["float64_vs_native_tol"]
-            assert h["model_dtype_vs_native_rel"] <= h["model_dtype_vs_native_tol"]
+            assert h["model_dtype_vs_native_bound_ratio_max"] <= 1.0
+            # kappa = O(1) on this model: the kappa-blind level holds too (the bound is not slack
+            # hiding a failure of the float32 evaluation)
+            assert h["model_dtype_vs_native_rel"] <= h["model_dtype_vs_native_kappa_blind_tol"]
             assert h["reuse"]["n_queries"] == 2 * (48 - 3)  # 3 anchors per context
     rep_d = rep["replication_style_descent"]
     assert rep_d["pooled"]["heads"] == 2 * 2 * 7 and "query" in rep_d["space"]

@@ -66,6 +66,18 @@ def shard(items: Sequence[Any], rank: int, world: int) -> list[Any]:
     return list(items[rank::world])
 
 
+def shard_contiguous(items: Sequence[Any], rank: int, world: int) -> list[Any]:
+    """Contiguous share of ``items`` for ``rank``: ``items[rank*n//world : (rank+1)*n//world]``.
+
+    For work lists ordered so that neighbours share a cost (the atlas's (context, layer) items,
+    context-major: one model forward per context and rank), contiguous blocks keep that cost
+    from being paid on every rank."""
+    if not (0 <= rank < world):
+        raise ValueError(f"rank {rank} outside world of size {world}")
+    n = len(items)
+    return list(items[rank * n // world:(rank + 1) * n // world])
+
+
 def finish(barrier: bool = True) -> None:
     """Leave the process group, if one was joined.
 

@@ -457,6 +457,36 @@ pairwise gauge with one query and one key row per block against one block: worst
 numpy's unpolished rule, whose weight errors the reordering exposed)."""
 
 
+def model_dtype_native_bound(dtype: torch.dtype, kappa, n_keys, head_dim: int, hidden: int,
+                             score_max, qk_max, value_scale, native_scale):
+    """Absolute bound on ``|readout_lp - y_model|`` per query (``ropestep atlas``): this suite's
+    max-key readout evaluated in the model's dtype against the model's own head output.
+
+    The two sides' errors against the exact head output on the captured inputs add:
+
+    * the model's own output is a softmax-weighted mean (positive weights summing to one, a
+      condition number of 1 relative to the output's scale), so its error is the whole-layer
+      agreement level: float32 ``agreement_rel_tol(float32, N, d, m) * max|y_model|``
+      (:func:`native_rel_tol`), bf16/fp16 ``native_rel_tol_lowp(dtype, qk_max) * max|y_model|``
+      (the model rounds q, k, v, the probabilities and the output to the storage dtype);
+    * the readout ``mu_i + q_i T_i + b_i`` is a sum whose terms cancel: its error is
+      :func:`identity_check_tol` in the arithmetic dtype with the query's own max-key ``kappa``,
+      ``N`` keys and largest score ``|s|``, relative to the value scale ``max|v|``.
+
+    A κ-blind tolerance (``agreement_rel_tol`` alone) fails a correct evaluation of a badly
+    conditioned query (SmolLM2 layer 18 head 8: max-key κ up to 10^3); this one grows with κ
+    and stays tight where κ = O(1).
+    """
+    if dtype == torch.float32:
+        model_side = np.asarray(native_scale) * agreement_rel_tol(torch.float32, int(np.max(n_keys)),
+                                                                  head_dim, hidden)
+    else:
+        model_side = np.asarray(native_scale) * np.vectorize(
+            lambda q: native_rel_tol_lowp(dtype, float(q)))(np.asarray(qk_max, dtype=float))
+    ours = identity_check_tol(dtype, kappa, n_keys, head_dim, score_max) * np.asarray(value_scale)
+    return model_side + ours
+
+
 def identity_check_tol(dtype: torch.dtype, kappa, n_keys: int, head_dim: int, score_max=0.0):
     """``2 readout_bound(dtype, max(1, kappa), N, d, max|s|)``: a check that compares two sums
     evaluated in the same arithmetic -- the softmax output ``y_i`` against the readout
