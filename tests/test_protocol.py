@@ -323,7 +323,28 @@ def test_native_check_has_teeth(tiny_dir):
     cap = protocol.capture_context(model, blk, [1], 4, protocol.special_ids(tok))
     spec, w = models.layer_head(model, 1, 40)
     ok = protocol.evaluate_layer(spec, w, cap, 1, "float32")
-    assert all(r["pass_native"] and r["pass_identity"] for r in ok.rows)
+    assert all(r["pass_native"] and r["pass_identity"] and r["pass_relation"] for r in ok.rows)
+    heads = [r for r in ok.rows if r["head"] != "combined"]
+    assert all(r["pass_projected_write"] and r["pass_self_mass"] for r in heads)
+    # the model's own self mass, as the eager attention returned it, is what pi is checked against
+    assert max(r["self_mass_vs_native_max_abs"] for r in heads) <= 1e-5
+    # a wrong native self mass (1e-3 off: 3x the notebook's atol + rtol * 1) fails the self-mass
+    # check and nothing else
+    bad = copy.deepcopy(cap)
+    bad.queries[1].self_mass += 1e-3
+    lc = protocol.evaluate_layer(spec, w, bad, 1, "float32")
+    assert not any(r.get("pass_self_mass", True) for r in lc.rows if r["head"] != "combined")
+    assert all(r["pass_native"] and r["pass_identity"] for r in lc.rows)
+    # a wrong prefix/full relation (pi off by 0.1%) fails the relation check
+    orig_pf = fast.prefix_full
+    try:
+        fast.prefix_full = lambda y, v, pi: orig_pf(y, v, pi * 1.001)
+        lc = protocol.evaluate_layer(spec, w, cap, 1, "float32")
+    finally:
+        fast.prefix_full = orig_pf
+    assert not any(r["pass_relation"] for r in lc.rows)
+    fl = protocol.row_failures(lc.rows[0])
+    assert [f.check for f in fl] == ["relation"]
     bad = copy.deepcopy(cap)
     bad.queries[1].x += 1e-3
     lc = protocol.evaluate_layer(spec, w, bad, 1, "float32")
@@ -462,11 +483,20 @@ def test_report_is_atomic_and_renders_the_paper_columns(tiny_run, tmp_path, monk
 
 
 def test_paper_setup_detection():
-    cfg = protocol.Config(model="Qwen/Qwen2.5-0.5B", corpus="wikitext2", layers="23")
-    assert protocol.is_paper_setup(cfg, [23])
+    """Only the exact pinned setup counts: every deviation alone turns it off."""
+    P = protocol.PAPER
+    good = dict(model=P["model"], revision=P["revision"], corpus="wikitext2",
+                corpus_revision=P["corpus_revision"], layers="23", heads="all")
+    cfg = protocol.Config(**good)
+    assert protocol.is_paper_setup(cfg, [23]) and protocol.is_paper_setup(cfg, [23], range(14))
     assert not protocol.is_paper_setup(cfg, [22])
-    cfg.prefix_len = 128
-    assert not protocol.is_paper_setup(cfg, [23])
+    assert not protocol.is_paper_setup(cfg, [23], [0, 1, 2])  # a head selection
+    for field, value in (("revision", None), ("revision", "main"), ("corpus_revision", None),
+                         ("corpus", "default"), ("heads", "0,1"), ("prefix_len", 128),
+                         ("contexts", 8), ("queries", 16), ("seed", 2), ("dtype", "bfloat16"),
+                         ("gguf", "model.gguf"), ("model", "Qwen/Qwen2.5-1.5B")):
+        bad = protocol.Config(**dict(good, **{field: value}))
+        assert not protocol.is_paper_setup(bad, [23]), (field, value)
 
 
 def test_parse_indices():

@@ -220,6 +220,21 @@ def test_protocol_verdict_from_a_report_dict():
     assert [(f.where, f.check) for f in fl] == [("layer 7 context 2 head 5", "native"),
                                                ("layer 7 context 2 head 5", "reuse_bound")]
     assert fl[0].value == INF and fl[1].value == 3
+    # the notebook's further checks are part of the verdict: each failed flag is named
+    full = copy.deepcopy(res)
+    full_row = full["layers"]["7"]["reconstruction"]["rows"][0]
+    full_row.update({"projected_prefix": dict(e), "projected_full": dict(e),
+                     "self_mass_vs_native_max_abs": 1e-9, "pass_relation": True,
+                     "pass_projected_write": True, "pass_self_mass": True})
+    assert protocol.verdict(full) == []
+    for check in ("relation", "projected_write", "self_mass"):
+        one = copy.deepcopy(full)
+        one["layers"]["7"]["reconstruction"]["rows"][0][f"pass_{check}"] = False
+        fl = protocol.verdict(one)
+        assert [(f.where, f.check) for f in fl] == [("layer 7 context 2 head 5", check)], check
+    nan_mass = copy.deepcopy(full)  # no native self mass captured: a failure, never a pass
+    nan_mass["layers"]["7"]["reconstruction"]["rows"][0]["self_mass_vs_native_max_abs"] = NAN
+    assert [f.check for f in protocol.verdict(nan_mass)] == ["self_mass"]
     pooled = copy.deepcopy(res)
     pooled["layers"]["7"]["reconstruction"]["combined"]["native"]["max_abs"] = NAN
     fl = protocol.verdict(pooled)

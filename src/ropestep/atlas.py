@@ -41,7 +41,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from . import scale, tolerances
+from . import fast, scale, tolerances
 from .dist import (broadcast_from_rank0, exit_worker, finish, gather_to_rank0,
                    init_distributed, shard_contiguous, under_launcher)
 from .kernel import augment
@@ -85,15 +85,6 @@ class LayerResult:
     native_scale: np.ndarray  # (H,) max |native| over the context
     qk_max: np.ndarray  # (H,) max_ij |q~_i| |k~_j| * scale (bounds |s|)
     errors: list[str] = field(default_factory=list)  # overflow or other failures, named
-
-
-def gram(c: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-    """``G_i = sum_j c_ij k~_j^T k~_j`` for ``c (G, Qc, n)``, ``k (n, d)``: one GEMM of the
-    coefficient rows with ``vec(k~_j^T k~_j)`` (``n x d^2``), ``(G, Qc, d, d)``."""
-    G_, Qc, n = c.shape
-    d = k.shape[-1]
-    kk = (k[:, :, None] * k[:, None, :]).reshape(n, d * d)
-    return (c.reshape(G_ * Qc, n) @ kk).view(G_, Qc, d, d)
 
 
 def evaluate_layer(spec: HeadSpec, weights: HeadWeights, x: torch.Tensor, positions: torch.Tensor,
@@ -207,13 +198,10 @@ def _pass_original(ch, L64, arr, nat, vscale, sc, Ah, anchors, anchor_every, T_a
     arr["sink"][h0:h1, qi] = p[..., 0]
     # gradient step: G_i = sum_j c_ij k~_j^T k~_j, query and input space as d x d problems
     g = L64.group_of(hs[0])
-    Gm = gram(c, L64.k[g, :n])  # (G, Qc, d, d)
-    s2 = (sc[hs] ** 2)[:, None]  # (G, 1)
-    arr["lam_query"][h0:h1, qi] = s2 * torch.linalg.eigvalsh(Gm)[..., -1]
-    tt = torch.einsum("gqdr,gqer->gqde", t, t)  # T T^T, for tr(T^T G T) = <G, T T^T>
-    quad = (Gm * tt).sum((-1, -2))
-    tn2 = (t * t).sum((-1, -2))
-    arr["inc_query"][h0:h1, qi] = (0.5 * s2 * quad > tn2).double()
+    Gm = fast.gram(c, L64.k[g, :n])  # (G, Qc, d, d)
+    lam_q, dE_q = fast.query_space_step(Gm, t, sc[hs][:, None])
+    arr["lam_query"][h0:h1, qi] = lam_q
+    arr["inc_query"][h0:h1, qi] = (dE_q > 0).double()
     # input space: with B_i^T = A_h^(1/2) R_i^T (one rotation of A_h^(1/2) per query), the
     # input-space Hessian's nonzero spectrum is that of M_i = B_i^T G_i B_i (d x d), and the
     # unit step's quadratic test reads, with Y_i = B_i^T T_i,  0.5 <Y, M Y> > <Y, Y>
@@ -576,12 +564,11 @@ def _final_query_only(spec, w, cap, L, cfg, timers) -> LayerResult:
                            queries=[n - 1], outputs=("c",), max_bytes=cfg.max_bytes):
         hs = ch.heads
         c, t = ch.extra["c"], ch.t  # (G, 1, n), (G, 1, d, r)
-        Gm = gram(c, Lq.k[Lq.group_of(hs[0]), :c.shape[-1]])
-        s2 = torch.tensor([spec.score_scale(h) ** 2 for h in hs], dtype=torch.float64,
+        Gm = fast.gram(c, Lq.k[Lq.group_of(hs[0]), :c.shape[-1]])
+        sc = torch.tensor([spec.score_scale(h) for h in hs], dtype=torch.float64,
                           device=Gm.device)[:, None]
-        lam = s2 * torch.linalg.eigvalsh(Gm)[..., -1]
-        quad = (Gm * torch.einsum("gqdr,gqer->gqde", t, t)).sum((-1, -2))
-        inc = 0.5 * s2 * quad > (t * t).sum((-1, -2))
+        lam, dE = fast.query_space_step(Gm, t, sc)
+        inc = dE > 0
         arr["lam_query"][hs[0]:hs[-1] + 1, -1] = lam[:, 0].cpu().numpy()
         arr["inc_query"][hs[0]:hs[-1] + 1, -1] = inc[:, 0].double().cpu().numpy()
     timers["replication_descent"] = timers.get("replication_descent", 0.0) + \

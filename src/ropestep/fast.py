@@ -289,19 +289,32 @@ class DescentCheck:
         return self.e1 < self.e0
 
 
-def descent(st: Step) -> DescentCheck:
-    """λ_max(H_i) and E before/after the unit step, for every head and query (affine heads).
+def descent(st: Step, space: str = "input") -> DescentCheck:
+    """λ_max(H_i) and E before/after the unit step, for every head and query.
 
-    Computed in the (d+1)-dimensional factor space: ``a_j = L^_i k^_j`` with
-    ``L^_i = [L_i | e_{m+1}]`` and ``k^_j = [k~_j - k_o, beta_j - beta_o]``, so
-    ``H_i = L^ G L^^T`` with ``G = sum_j c_j k^_j k^_j^T`` and ``Delta M_i = L^ [T_i; b_i^T]``.
-    Valid in the original and max-key gauges.
+    ``space="input"`` (the paper's parametrisation, affine heads only): computed in the
+    (d+1)-dimensional factor space: ``a_j = L^_i k^_j`` with ``L^_i = [L_i | e_{m+1}]`` and
+    ``k^_j = [k~_j - k_o, beta_j - beta_o]``, so ``H_i = L^ G L^^T`` with
+    ``G = sum_j c_j k^_j k^_j^T`` and ``Delta M_i = L^ [T_i; b_i^T]``.
+
+    ``space="query"`` (every family, the cosine family included): input ``z_i = [q~_i; 1]``,
+    features ``a^_j = [scale (k~_j - k_o); beta_j - beta_o]``, ``H^q_i = sum_j c_j a^_j a^_j^T``
+    and the step ``Delta M^q_i = [scale T_i; b_i^T]`` (:func:`query_delta_m`); see
+    docs/math.md sections 3 and 11.  Both are valid in the original and max-key gauges.
     """
+    if space not in ("input", "query"):
+        raise ValueError(f"descent(): space must be 'input' or 'query', got {space!r}")
     if _gauge_kind(st.gauge) not in ("original", "maxkey"):
         raise ValueError("descent() is defined in the original and max-key gauges")
     if st.c is None or st.t is None:
         raise ValueError("descent() needs c and t: call step(..., keep=('c','t','b'))")
+    if space == "query":
+        return _query_descent(st)
     P: Projected = st.extras["projected"]
+    if not P.spec.affine:
+        raise ValueError(
+            f"descent(): family {P.spec.family!r} is not affine in u, so the input-space step does "
+            "not exist; use descent(st, space='query') (docs/math.md section 11)")
     H, Q, N = st.c.shape
     k = P.k
     beta = P.beta if P.beta is not None else torch.zeros(H, Q, N, dtype=k.dtype, device=k.device)
@@ -340,6 +353,137 @@ def descent(st: Step) -> DescentCheck:
     # of L^ (killed in Delta M) never meet a rounded Gram matrix
     pred = khat @ (Lh.transpose(-1, -2) @ (Lh @ tb))  # (H, Q, N, r)
     res = pred - vc
+    e1 = 0.5 * (st.c * (res * res).sum(-1)).sum(-1)
+    return DescentCheck(lam, e0, e1)
+
+
+def gram(c: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """``G_i = sum_j c_ij k~_j^T k~_j`` for coefficient rows ``c (..., Q, n)`` and keys
+    ``k (..., n, d)`` (or one shared ``(n, d)``): one GEMM of the rows with ``vec(k~_j^T k~_j)``
+    (``n x d^2``), returned as ``(..., Q, d, d)``."""
+    d = k.shape[-1]
+    kk = (k[..., :, :, None] * k[..., :, None, :]).flatten(-2)  # (..., n, d^2)
+    return (c @ kk).unflatten(-1, (d, d))
+
+
+def query_space_step(G: torch.Tensor, t: torch.Tensor, scale: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gradient step in query space (docs/math.md section 3): the variable is the rotated
+    query, the features ``a_j = scale k~_j``, so ``H_i = scale^2 G_i`` and the step is
+    ``scale T_i``.  Returns ``(lambda_max(H_i), E_i(step) - E_i(0))`` with
+
+        E(step) - E(0) = scale^2 (0.5 scale^2 <T, G T> - ||T||^2),
+
+    for ``G (..., Q, d, d)`` (:func:`gram`), ``T (..., Q, d, r)`` and ``scale`` broadcasting to
+    ``(..., Q)``.  The unit step increases E exactly when ``0.5 scale^2 <T, G T> > ||T||^2``.
+    The same holds for Cosine-RoPE heads (unit rotated keys, ``scale = 1/tau``).
+    """
+    s2 = scale * scale
+    lam = s2 * torch.linalg.eigvalsh(G)[..., -1]
+    quad = (t * (G @ t)).sum((-1, -2))
+    return lam, s2 * (0.5 * s2 * quad - (t * t).sum((-1, -2)))
+
+
+def query_descent(st: Step) -> DescentCheck:
+    """λ_max and E before/after the unit step in QUERY space (the public replication's
+    parametrisation; the paper's is :func:`descent`), every head and query, original gauge.
+
+    ``E_i(0) = 1/2 sum_j c_ij |v_j - mu_i|^2`` directly; ``E_i(step)`` from
+    :func:`query_space_step`.  Defined for every family with a query-space form (dot, QK-norm,
+    cosine: ``Projected.k`` holds the rotated, normalised keys and ``Projected.scale`` 1/tau).
+    """
+    if _gauge_kind(st.gauge) != "original":
+        raise ValueError("query_descent() is defined in the original gauge")
+    if st.c is None or st.t is None:
+        raise ValueError("query_descent() needs c and t: call step(..., keep=('c','t'))")
+    P: Projected = st.extras["projected"]
+    G = gram(st.c, P.k)  # (H, Q, d, d)
+    if not bool(torch.isfinite(G).all()):
+        raise FloatingPointError("query_descent(): sum_j c_j k~_j k~_j^T leaves the "
+                                 f"{G.dtype} range (docs/math.md section 3)")
+    lam, delta = query_space_step(G, st.t, P.scale[:, None])
+    vc = P.v[:, None] - st.mu[:, :, None]
+    e0 = 0.5 * (st.c * (vc * vc).sum(-1)).sum(-1)
+    return DescentCheck(lam, e0, e0 + delta)
+
+
+# ---------------------------------------------------------------------------------------------
+# the gradient step in query space (docs/math.md sections 3 and 11)
+# ---------------------------------------------------------------------------------------------
+def _query_gauge(st: Step, what: str) -> Projected:
+    kind = _gauge_kind(st.gauge)
+    if kind not in ("original", "maxkey"):
+        raise ValueError(f"{what} is defined in the original and max-key gauges, not {kind!r} "
+                         "(a free gauge vector lives in input space)")
+    return st.extras["projected"]
+
+
+def query_input(st: Step) -> torch.Tensor:
+    """The query-space input ``z_i = [q~_i; 1]`` of every head and query, ``(H, Q, d+1)``.
+
+    ``q~_i`` is the rotated (and, for the qknorm/cosine families, normalised) query *without*
+    the score scale: the effective query ``q_i = scale * q~_i`` divided by its scale.
+    """
+    P = _query_gauge(st, "query_input()")
+    qt = P.q / P.scale[:, None, None]
+    return torch.cat((qt, torch.ones_like(qt[..., :1])), -1)
+
+
+def query_features(st: Step, head: int, query: int) -> torch.Tensor:
+    """Query-space features ``a^_j = [scale (k~_j - k_o); beta_ij - beta_o]`` of one query:
+    ``(N, d+1)`` (rows off the permitted set included; ``k_o``, ``beta_o`` the gauge's offsets).
+
+    The score is ``s_ij = z_i . a^_j`` (plus the gauge anchor); for a cosine head ``k~_j`` is the
+    rotated unit key and ``scale = 1/tau_h`` (docs/math.md section 11).
+    """
+    P = _query_gauge(st, "query_features()")
+    k = P.k[head] * P.scale[head]  # (N, d)
+    beta = (P.beta[head, query] if P.beta is not None
+            else torch.zeros(k.shape[0], dtype=k.dtype, device=k.device))
+    a = torch.cat((k, beta[:, None]), -1)
+    if st.gauge == "maxkey":
+        js = int(torch.where(st.mask[query], st.s[head, query],
+                             torch.full_like(st.s[head, query], -torch.inf)).argmax())
+        a = a - a[js]
+    return a
+
+
+def query_delta_m(st: Step) -> torch.Tensor:
+    """The query-space step ``Delta M^q_i = [scale T_i; b_i^T] = -grad E^q_i(0)``, ``(H, Q, d+1, r)``.
+
+    With :func:`query_input` ``z_i``: ``y_i = mu_i + z_i^T Delta M^q_i`` -- the identity in
+    query space, which holds for every family, the cosine family included (docs/math.md
+    section 11).  Needs ``t`` (``keep`` of :func:`step`).
+    """
+    P = _query_gauge(st, "query_delta_m()")
+    if st.t is None:
+        raise ValueError("query_delta_m() needs t: call step(..., keep=('c','t','b'))")
+    top = st.t * P.scale[:, None, None, None]
+    brow = torch.zeros_like(top[:, :, :1]) if st.b is None else st.b[:, :, None]
+    return torch.cat((top, brow), 2)
+
+
+def _query_descent(st: Step) -> DescentCheck:
+    """:func:`descent` in query space: ``(d+1) x (d+1)`` Hessians ``sum_j c_j a^_j a^_j^T``."""
+    P = _query_gauge(st, "descent(space='query')")
+    H, Q, N = st.c.shape
+    k = P.k * P.scale[:, None, None]
+    beta = P.beta if P.beta is not None else torch.zeros(H, Q, N, dtype=k.dtype, device=k.device)
+    khat = torch.cat((k[:, None].expand(H, Q, N, k.shape[-1]), beta[..., None]), -1)
+    if st.gauge == "maxkey":
+        js = torch.where(st.mask[None], st.s, torch.full_like(st.s, -torch.inf)).argmax(-1)
+        off = torch.gather(khat, 2, js[..., None, None].expand(H, Q, 1, khat.shape[-1]))
+        khat = khat - off
+    Hq = khat.transpose(-1, -2) @ (st.c[..., None] * khat)  # (H, Q, d+1, d+1)
+    if not bool(torch.isfinite(Hq).all()):
+        raise FloatingPointError(
+            f"descent(space='query'): the Hessian sum_j c_j a_j a_j^T leaves the {Hq.dtype} range "
+            "(docs/math.md section 3) -- use the max-key gauge or the exact layer")
+    lam = torch.linalg.eigvalsh(Hq)[..., -1]
+    dmq = query_delta_m(st)
+    vc = P.v[:, None] - st.mu[:, :, None]
+    e0 = 0.5 * (st.c * (vc * vc).sum(-1)).sum(-1)
+    res = khat @ dmq - vc  # (H, Q, N, r)
     e1 = 0.5 * (st.c * (res * res).sum(-1)).sum(-1)
     return DescentCheck(lam, e0, e1)
 

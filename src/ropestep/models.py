@@ -661,6 +661,9 @@ class LayerCapture:
     x: torch.Tensor  # (n, m)  input_layernorm output = head input
     heads: torch.Tensor  # (n, H, r)  per-head attention output = o_proj input
     o: torch.Tensor  # (n, hidden)  o_proj output
+    # (n, H): the model's own attention probability on each row's own key (the last key it
+    # sees), from the eager attention's returned weights; only where requested
+    self_mass: torch.Tensor | None = None
 
 
 @dataclass
@@ -687,11 +690,23 @@ def _check_capture_model(model: Any) -> ModelInfo:
 
 
 @contextmanager
-def _hooks(model: Any, layers: Sequence[int]) -> Iterator[dict]:
-    """Register recording hooks on each layer's input_layernorm and o_proj; always remove them."""
+def _hooks(model: Any, layers: Sequence[int], self_mass: bool = False) -> Iterator[dict]:
+    """Register recording hooks on each layer's input_layernorm and o_proj (and, with
+    ``self_mass``, on self_attn: the eager attention's own probabilities on the last key, which
+    is each query's own key in a single-token step); always remove them."""
     base = _base(model)
-    rec: dict[int, dict[str, list]] = {L: {"x": [], "heads": [], "o": []} for L in layers}
+    keys = ("x", "heads", "o") + (("self_mass",) if self_mass else ())
+    rec: dict[int, dict[str, list]] = {L: {k: [] for k in keys} for L in layers}
     handles = []
+
+    def on_attn(L: int) -> Callable:
+        def hook(mod: Any, args: Any, out: Any) -> None:
+            w = out[1] if isinstance(out, tuple) and len(out) > 1 else None
+            if w is None:
+                raise RuntimeError(f"layer {L}: self_attn returned no attention weights (eager "
+                                   "attention is required to read the model's own self mass)")
+            rec[L]["self_mass"].append(w[..., -1].detach().transpose(1, 2))  # (B, q, H)
+        return hook
 
     def on_norm(L: int) -> Callable:
         def hook(mod: Any, args: Any, out: Any) -> None:
@@ -709,6 +724,8 @@ def _hooks(model: Any, layers: Sequence[int]) -> Iterator[dict]:
             blk = base.layers[L]
             handles.append(blk.input_layernorm.register_forward_hook(on_norm(L)))
             handles.append(blk.self_attn.o_proj.register_forward_hook(on_o(L)))
+            if self_mass:
+                handles.append(blk.self_attn.register_forward_hook(on_attn(L)))
         yield rec
     finally:
         for h in handles:
@@ -729,10 +746,14 @@ def _take(rec: dict, info: ModelInfo, calls: int,
         x = torch.cat([t.reshape(-1, info.hidden) for t in r["x"]]).cpu()
         hd = torch.cat([t.reshape(-1, H, d) for t in r["heads"]]).cpu()
         o = torch.cat([t.reshape(-1, info.hidden) for t in r["o"]]).cpu()
-        if not (x.shape[0] == hd.shape[0] == o.shape[0] == positions.shape[0]):
+        sm = (torch.cat([t.reshape(-1, H) for t in r["self_mass"]]).cpu()
+              if "self_mass" in r else None)
+        if not (x.shape[0] == hd.shape[0] == o.shape[0] == positions.shape[0]) or (
+                sm is not None and sm.shape[0] != x.shape[0]):
             raise RuntimeError(f"{info.name}: layer {L} captured {x.shape[0]} rows, expected "
                                f"{positions.shape[0]}")
-        out[L] = LayerCapture(layer=L, positions=positions.clone(), x=x, heads=hd, o=o)
+        out[L] = LayerCapture(layer=L, positions=positions.clone(), x=x, heads=hd, o=o,
+                              self_mass=sm)
     return out
 
 
@@ -850,7 +871,7 @@ def capture_continuations(model: Any, prefix_ids: Any,
         if int(cand.min()) < 0 or int(cand.max()) >= vocab:
             raise ValueError(f"candidate token ids must lie in [0, {vocab})")
         Q = int(cand.numel())
-        with _hooks(model, Ls) as rec:
+        with _hooks(model, Ls, self_mass=True) as rec:
             if batched and hasattr(cache, "batch_repeat_interleave"):
                 # one forward: the prefix cache repeated Q times, one candidate token per row
                 step_cache = copy.deepcopy(cache)
@@ -879,7 +900,8 @@ class BlockCapture:
     full: dict[int, LayerCapture]  # positions 0..n-1 of the block (bank + observed token)
     logits: torch.Tensor  # (vocab,) at position n-2: the prefix's prediction of token n-1
     candidates: torch.Tensor  # (Q,)
-    queries: dict[int, LayerCapture]  # Q rows at position n-1, row i = candidates[i]
+    queries: dict[int, LayerCapture]  # Q rows at position n-1, row i = candidates[i], with
+    # the model's own self-attention mass (``LayerCapture.self_mass``)
 
 
 def capture_block(model: Any, block_ids: Any, layers: int | Sequence[int],
@@ -929,7 +951,7 @@ def capture_block(model: Any, block_ids: Any, layers: int | Sequence[int],
             raise ValueError("no candidate tokens")
         if int(cand.min()) < 0 or int(cand.max()) >= logits.shape[0]:
             raise ValueError(f"candidate token ids must lie in [0, {logits.shape[0]})")
-        with _hooks(model, Ls) as rec:
+        with _hooks(model, Ls, self_mass=True) as rec:
             if batched and hasattr(cache, "batch_repeat_interleave"):
                 cache.batch_repeat_interleave(Q)
                 base(input_ids=cand.to(dev)[:, None],

@@ -118,7 +118,11 @@ def render_markdown(result: dict, figures: dict[str, list[str]] | None = None) -
         f"{proto['query_position']}), seed {proto['seed']}, heads "
         f"{_ranges(proto['heads'])}, device `{cfg['device']}`",
         f"- Runtime: {tm['total_s']:.1f} s total (model load {tm['model_load_s']:.1f} s, capture "
-        f"{tm['capture_s']:.1f} s, evaluation {tm['evaluate_s']:.1f} s)",
+        f"{tm['capture_s']:.1f} s, evaluation {tm['evaluate_s']:.1f} s)"
+        + (f"; the model's own plain forwards over the same blocks took "
+           f"{tm['model_forward_s']:.1f} s in this run, and everything but the load and those "
+           f"forwards {tm['work_s']:.1f} s = **{tm['work_over_model_forward']:.2f}×** them"
+           if "model_forward_s" in tm else ""),
         f"- Versions: python {ver['python']}, torch {ver['torch']}, transformers "
         f"{ver['transformers']}, ropestep {ver['ropestep']}, numpy {ver['numpy']}",
         f"- Hardware: {hw['cpu_model']} ({hw['cpu_cores']} cores, {hw['torch_threads']} torch "
@@ -272,6 +276,16 @@ def _layer_md(layer: int, lr: dict, r: dict, paper: dict | None, figs: list[str]
     L += _table(["Head", "constant a0", "mean a0", "frozen a0", "linear a0",
                  "frozen rRMSE a0", "frozen rRMSE all", "mean rRMSE all"], rows)
     L.append("")
+    hb = reuse.get("heads_below_constant")
+    if hb is not None:
+        rng = ("" if hb["range"] is None
+               else f", all-anchor rRMSE {fmt(hb['range'][0])}–{fmt(hb['range'][1])}")
+        L += [f"Heads whose frozen matrix beats their own constant-anchor output ({hb['rule']}): "
+              f"**{hb['count']} of {hb['of']}**{rng}"
+              + (f" (paper: {paper['reuse']['heads_in_range']} heads, "
+                 f"{paper['reuse']['heads_all_anchor_rrmse_range'][0]}–"
+                 f"{paper['reuse']['heads_all_anchor_rrmse_range'][1]})" if paper else "")
+              + (f"; non-finite: {hb['nonfinite']}" if hb["nonfinite"] else "") + ".", ""]
 
     ck = cal["checks"]
     L += ["### Calibration (anchor 0)", "",
@@ -305,20 +319,37 @@ def _layer_md(layer: int, lr: dict, r: dict, paper: dict | None, figs: list[str]
                       fmt(b["p90"])] for b in bins])
         L.append("")
 
+    qs, rep = dsc.get("query_space"), dsc.get("replication_style")
     L += ["### Descent check", "",
-          f"`lambda_max(H_i)` of `H_i = sum_j c_ij a_ij a_ij^T` and whether the unit step "
-          f"`B = dM_i` increases `E_i` (a head counts when the median over its rows increases). "
+          "Each parametrisation is reported under its own label; numbers of one space are "
+          "never set beside the other's.", "",
+          f"**Input space** (the paper's: `u = [x; 1]`, `H_i = sum_j c_ij a_ij a_ij^T`, unit "
+          f"step `dM_i`; a head counts when the median over its rows increases E): "
           f"**{dsc['heads_increasing']} of {dsc['heads']} heads** increase E "
           f"({fmt(dsc['fraction_heads_increasing'])}); rows increasing: "
           f"{fmt(dsc['fraction_rows_increasing'])}; lambda_max median "
-          f"{fmt(dsc['lam_max']['median'])}, max {fmt(dsc['lam_max']['max'])}"
-          + (" (replication at Qwen2.5-0.5B layer 23: 3 of 28 heads, median 0.51, max 109.56)"
-             if paper else "") + ".", ""]
+          f"{fmt(dsc['lam_max']['median'])}, max {fmt(dsc['lam_max']['max'])}.", ""]
+    if qs is not None:
+        L += [f"**Query space** (variable: the rotated query; features `scale k~_j`), same rows: "
+              f"**{qs['heads_increasing']} of {qs['heads']} heads** increase E; rows increasing "
+              f"{fmt(qs['fraction_rows_increasing'])}; lambda_max median "
+              f"{fmt(qs['lam_max']['median'])}, max {fmt(qs['lam_max']['max'])}.", ""]
+    if rep is not None:
+        L += [f"**Replication-style** ({rep['space']}; {rep['query']}): the unit step increases "
+              f"E in **{rep['increase']} of {rep['pairs']}** (head, context) pairs; lambda_max "
+              f"median {fmt(rep['lam_max_median'])}, max {fmt(rep['lam_max_max'])}"
+              + (" — the public replication measured 3 of 28 (median 0.51, max 109.56) this way "
+                 "on Qwen2.5-0.5B layer 23, with 2 short synthetic prompts" if paper else "")
+              + ".", ""]
     rows = [[str(d["head"]), fmt(d["lam_max"]["median"]), fmt(d["lam_max"]["max"]),
              fmt(d["frac_lam_gt_2"]), fmt(d["frac_rows_increase"]), fmt(d["increases"])]
-            for d in dsc["per_head"]]
-    L += _table(["Head", "λ_max median", "λ_max max", "frac λ>2", "frac rows E↑", "E increases"],
-                rows)
+            + ([fmt(qd["lam_max"]["median"]), fmt(qd["frac_rows_increase"]),
+                fmt(qd["increases"])] if qs is not None else [])
+            for d, qd in zip(dsc["per_head"], (qs or dsc)["per_head"])]
+    L += _table(["Head", "input λ_max median", "input λ_max max", "input frac λ>2",
+                 "input frac rows E↑", "input E increases"]
+                + (["query λ_max median", "query frac rows E↑", "query E increases"]
+                   if qs is not None else []), rows)
     L.append("")
     if figs:
         L += ["### Figures", ""] + [f"![{Path(f).stem}]({f})" for f in figs] + [""]

@@ -158,6 +158,23 @@ def reuse_table(errors: Mapping[str, Any], target: Any) -> dict:
     return out
 
 
+def heads_beating_constant(per_head: Sequence[Mapping[str, Any]], predictor: str = "frozen",
+                           which: str = "all") -> dict:
+    """The paper's per-head statistic: the heads whose ``which``-anchor rRMSE of ``predictor``
+    against their OWN constant-anchor baseline is below 1, and the range of those rRMSEs.
+
+    ``per_head`` holds ``{"head": h, **reuse_table(...)}`` rows.  A non-finite rRMSE is never
+    counted below 1 (and is listed under ``nonfinite``)."""
+    vals = [(int(r["head"]), float(r["predictors"][predictor]["rrmse"][which])) for r in per_head]
+    below = [(h, v) for h, v in vals if math.isfinite(v) and v < 1.0]
+    return {"predictor": predictor, "anchors": which,
+            "rule": f"{which}-anchor rRMSE of the {predictor} predictor against the head's own "
+                    "constant-anchor output < 1",
+            "heads": [h for h, _ in below], "count": len(below), "of": len(vals),
+            "range": [min(v for _, v in below), max(v for _, v in below)] if below else None,
+            "nonfinite": [h for h, v in vals if not math.isfinite(v)]}
+
+
 # ---------------------------------------------------------------------------------------------
 # calibration
 # ---------------------------------------------------------------------------------------------
