@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import torch
 
+import oracle
 from ropestep import atlas, exact, scale, tolerances
 from ropestep.spec import HeadSpec, HeadWeights, RoPESpec, causal_mask
 
@@ -65,18 +66,9 @@ def test_lambda_max_both_spaces_against_the_oracle(case):
     spec, w, x, E, res = case
     H = spec.n_heads
     lam_in = np.array([[float(exact.lam_max(E, h, i)) for i in range(N)] for h in range(H)])
-    lam_q = np.zeros((H, N))
     with mp.workdps(50):
-        for h in range(H):
-            sc2 = spec.score_scale(h) ** 2
-            for i in range(N):
-                c, _ = exact.coefficients(E, h, i)
-                G = mp.matrix(spec.head_dim, spec.head_dim)
-                for j, cj in c.items():
-                    for p in range(spec.head_dim):
-                        for q in range(spec.head_dim):
-                            G[p, q] += cj * E.k[h, j, p] * E.k[h, j, q]
-                lam_q[h, i] = float(max(mp.eigsy(G, eigvals_only=True)) * sc2)
+        lam_q = np.array([[float(oracle.query_space(E, h, i, spec.score_scale(h))[0])
+                           for i in range(N)] for h in range(H)])
     e_in, e_q = _rel(res.arrays["lam_input"], lam_in), _rel(res.arrays["lam_query"], lam_q)
     print("lambda input", e_in, "query", e_q)
     assert e_in <= tolerances.FLOAT64_REL and e_q <= tolerances.FLOAT64_REL
@@ -84,31 +76,16 @@ def test_lambda_max_both_spaces_against_the_oracle(case):
 
 def test_descent_verdicts_against_the_oracle(case):
     spec, w, x, E, res = case
-    H, d, r = spec.n_heads, spec.head_dim, spec.r
+    H = spec.n_heads
     inc_in = np.zeros((H, N))
     inc_q = np.zeros((H, N))
     with mp.workdps(50):
         for h in range(H):
-            sc = mp.mpf(spec.score_scale(h))
             for i in range(N):
                 M = exact.delta_m(E, h, i)
                 e0 = exact.objective(E, h, i, M * 0)
                 inc_in[h, i] = exact.objective(E, h, i, M) > e0
-                # query space: features a_j = k~_j * scale, step B = sum_j c_j a_j (v_j - mu)^T
-                c, _ = exact.coefficients(E, h, i)
-                B = mp.matrix(d, r)
-                for j, cj in c.items():
-                    for p in range(d):
-                        for q in range(r):
-                            B[p, q] += cj * sc * E.k[h, j, p] * (E.v[h, j, q] - E.mu[h, i, q])
-                eq = mp.mpf(0)
-                eq0 = mp.mpf(0)
-                for j, cj in c.items():
-                    for q in range(r):
-                        t = E.v[h, j, q] - E.mu[h, i, q]
-                        pred = mp.fsum(sc * E.k[h, j, p] * B[p, q] for p in range(d))
-                        eq += cj * (pred - t) ** 2
-                        eq0 += cj * t * t
+                _, eq0, eq = oracle.query_space(E, h, i, spec.score_scale(h))
                 inc_q[h, i] = eq > eq0
     print("input space increases", inc_in.mean(), "query space", inc_q.mean())
     assert 0 < inc_in.mean() < 1 or 0 < inc_q.mean() < 1  # the case has both outcomes
