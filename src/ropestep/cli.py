@@ -16,6 +16,7 @@ Exit status of every command (:mod:`ropestep.verdict`):
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 import time
 from typing import Callable, Sequence
@@ -177,16 +178,16 @@ def cmd_sweep(args: argparse.Namespace, argv: Sequence[str]) -> int:
     return sweep.run(args, argv, prog="ropestep sweep")
 
 
-def _atlas_arguments(parser: argparse.ArgumentParser) -> None:
-    from . import atlas
+def _delegate(module: str) -> tuple[Callable[[argparse.ArgumentParser], None], Handler]:
+    """A subcommand implemented by ``ropestep.<module>``'s ``add_arguments(parser)`` and
+    ``main_args(args, argv)`` (imported when the subcommand is built or run)."""
+    def add(parser: argparse.ArgumentParser) -> None:
+        importlib.import_module(f"ropestep.{module}").add_arguments(parser)
 
-    atlas.add_arguments(parser)
+    def handle(args: argparse.Namespace, argv: Sequence[str]) -> int:
+        return importlib.import_module(f"ropestep.{module}").main_args(args, argv)
 
-
-def cmd_atlas(args: argparse.Namespace, argv: Sequence[str]) -> int:
-    from . import atlas
-
-    return atlas.main_args(args, argv)
+    return add, handle
 
 
 COMMANDS: dict[str, tuple[Callable[[argparse.ArgumentParser], None], Handler, str]] = {
@@ -196,10 +197,13 @@ COMMANDS: dict[str, tuple[Callable[[argparse.ArgumentParser], None], Handler, st
     "bench": (_bench_arguments, cmd_bench,
               "benchmark the batched all-query identity against SDPA, the direct per-query "
               "evaluation and plain matmul (JSON + Markdown)"),
-    "atlas": (_atlas_arguments, cmd_atlas,
+    "atlas": (*_delegate("atlas"),
               "every layer, head and query of a model against its own output: identity, "
               "kappa, sink mass, descent in both spaces, frozen reuse (JSON + Markdown + "
               "figures)"),
+    "heads": (*_delegate("heads"),
+              "per layer and head: W_q/W_k condition numbers, effective rank, energy per RoPE "
+              "frequency band, barycenter and the base it suggests (JSON + Markdown + figures)"),
     "sweep": (_sweep_arguments, cmd_sweep,
               "identity sweep over (context, layer) items of synthetic layers or a model, "
               "sharded across torchrun processes (JSON report)"),

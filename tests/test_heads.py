@@ -1,0 +1,249 @@
+"""``ropestep.heads`` diagnostics against independent computations on hand-made weights.
+
+* condition number and effective rank of ``W = U diag(sigma) V^T`` with orthonormal ``U``, ``V``
+  built here: the known ``sigma`` gives ``cond = sigma_1/sigma_d`` and Roy & Vetterli's effective
+  rank ``exp(H(sigma/sum sigma))`` without any SVD;
+* band energy and barycenter of heads whose energy lies in one RoPE pair ``l``: one-hot at ``l``
+  and ``t = l/(d/2 - 1)`` in both layouts (pairs written out here, not taken from ropestep);
+* the GQA grouping ``h // group`` and the document's literal sketch;
+* mutations of the frequency axis (reversed pair index, the other layout's pairing) are caught.
+
+Tolerances come from :mod:`ropestep.tolerances` (``FLOAT64_REL``: a float64 SVD of a matrix with
+condition number 100 carries relative errors of order ``d u cond ~ 1e-13``).
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from ropestep import heads, rope
+from ropestep import tolerances as tl
+from ropestep.spec import HeadSpec, HeadWeights, RoPESpec
+
+M = 12
+
+
+def orthonormal(rng: np.random.Generator, rows: int, cols: int) -> np.ndarray:
+    q, r = np.linalg.qr(rng.standard_normal((rows, cols)))
+    return q * np.sign(np.diag(r))
+
+
+def with_singular_values(sigma: np.ndarray, seed: int = 0) -> np.ndarray:
+    """An ``(m, d)`` matrix, ``m = max(M, d + 4)``, with exactly these singular values."""
+    rng = np.random.default_rng(seed)
+    d = sigma.size
+    m = max(M, d + 4)
+    return orthonormal(rng, m, d) @ np.diag(sigma) @ orthonormal(rng, d, d).T
+
+
+def roy_vetterli(sigma: np.ndarray) -> float:
+    p = sigma[sigma > 0] / sigma.sum()
+    return math.exp(-sum(float(x) * math.log(float(x)) for x in p))
+
+
+def pair_columns(ell: int, d: int, layout: str) -> tuple[int, int]:
+    """RoPE pair ``ell``'s two dimensions, written out (docs/math.md section 1)."""
+    return (ell, ell + d // 2) if layout == "half" else (2 * ell, 2 * ell + 1)
+
+
+def in_pair(ell: int, d: int, layout: str, rng: np.random.Generator, m: int = M) -> np.ndarray:
+    w = np.zeros((m, d))
+    for c in pair_columns(ell, d, layout):
+        w[:, c] = rng.standard_normal(m)
+    return w
+
+
+@pytest.mark.parametrize("sigma", [
+    np.array([100.0, 50, 20, 10, 5, 3, 2, 1]),
+    np.geomspace(1.0, 1e3, 16)[::-1],
+    np.ones(8),
+])
+def test_condition_number_and_effective_rank_of_known_spectra(sigma, one_thread):
+    w = with_singular_values(sigma)
+    got = heads.matrix_diagnostics(w, "half")
+    cond, erank = sigma.max() / sigma.min(), roy_vetterli(sigma)
+    print(f"cond {got['cond']:.15g} (want {cond:.15g}), erank {got['effective_rank']:.15g} "
+          f"(want {erank:.15g})")
+    assert abs(got["cond"] / cond - 1) <= tl.FLOAT64_REL
+    assert abs(got["effective_rank"] / erank - 1) <= tl.FLOAT64_REL
+    assert abs(got["cond"] / np.linalg.cond(w) - 1) <= tl.FLOAT64_REL  # numpy's own 2-norm cond
+    assert abs(got["frobenius"] / math.sqrt(float((sigma ** 2).sum())) - 1) <= tl.FLOAT64_REL
+    assert 1.0 <= got["effective_rank"] <= sigma.size * (1 + tl.FLOAT64_REL)
+
+
+def test_effective_rank_counts_equal_singular_values():
+    for r in (1, 3, 8):
+        sigma = np.concatenate([np.full(r, 2.5), np.zeros(8 - r)])
+        got = heads.effective_rank(heads.singular_values(with_singular_values(sigma, seed=r)))
+        print(r, got)
+        assert abs(got - r) <= r * tl.FLOAT64_REL
+    assert heads.effective_rank(np.array([3.0, 3.0, 3.0])) == pytest.approx(3.0, rel=tl.FLOAT64_REL)
+    assert heads.condition_number(np.array([2.0, 0.0])) == math.inf
+    assert math.isnan(heads.condition_number(np.zeros(3)))
+    assert math.isnan(heads.effective_rank(np.zeros(3)))
+
+
+def _head(layout: str, d: int, wq: np.ndarray, wk: np.ndarray) -> tuple[HeadSpec, HeadWeights]:
+    H, Hk = wq.shape[1], wk.shape[1]
+    spec = HeadSpec(n_heads=H, n_kv_heads=Hk, head_dim=d, rope=RoPESpec(layout=layout))
+    return spec, HeadWeights(w_q=wq, w_k=wk, w_v=np.ones((wq.shape[0], Hk, d)))
+
+
+def one_hot_problems(layout: str, d: int = 16) -> list[str]:
+    """Every pair ``l``: a head whose W_q and W_k live only in pair ``l``.  Returns what differs
+    from the expected one-hot band energy at ``l``, coarse band ``l // (d/8)`` and barycenter
+    ``l/(d/2 - 1)`` (empty when everything agrees)."""
+    rng = np.random.default_rng(3)
+    half = d // 2
+    problems = []
+    for ell in range(half):
+        wq = in_pair(ell, d, layout, rng)[:, None, :]
+        wk = in_pair(ell, d, layout, rng)[:, None, :]
+        spec, w = _head(layout, d, wq, wk)
+        res = heads.diagnose_weights(spec, w)
+        want = np.eye(half)[ell]
+        coarse = np.eye(heads.N_COARSE)[ell // (half // heads.N_COARSE)]
+        qh, kh = res["query_heads"][0], res["kv_heads"][0]
+        for name, got in (("W_q bands", qh["w_q"]["band_energy_fraction"]),
+                          ("W_k bands", kh["w_k"]["band_energy_fraction"])):
+            if np.max(np.abs(np.asarray(got) - want)) > tl.FLOAT64_REL:
+                problems.append(f"{layout} l={ell}: {name} {np.round(got, 3).tolist()}")
+        if np.max(np.abs(np.asarray(qh["w_q"]["coarse_band_fraction"]) - coarse)) > tl.FLOAT64_REL:
+            problems.append(f"{layout} l={ell}: coarse {qh['w_q']['coarse_band_fraction']}")
+        if abs(qh["barycenter"] - ell / (half - 1)) > tl.FLOAT64_REL:
+            problems.append(f"{layout} l={ell}: barycenter {qh['barycenter']}")
+    return problems
+
+
+@pytest.mark.parametrize("layout", ["half", "interleaved"])
+def test_energy_in_one_pair_is_one_hot_and_places_the_barycenter(layout, one_thread):
+    problems = one_hot_problems(layout)
+    print(problems)
+    assert problems == []
+
+
+@pytest.mark.parametrize("layout", ["half", "interleaved"])
+def test_reversed_frequency_index_is_caught(layout, monkeypatch, one_thread):
+    orig = rope.frequency_index
+    monkeypatch.setattr(rope, "frequency_index",
+                        lambda d, lay: (d // 2 - 1) - orig(d, lay))  # pair 0 made the slowest
+    problems = one_hot_problems(layout)
+    print(problems[:4])
+    assert len(problems) >= 8  # every pair l of d = 16 is misplaced (no fixed point)
+
+
+@pytest.mark.parametrize("layout", ["half", "interleaved"])
+def test_the_other_layouts_pairing_is_caught(layout, monkeypatch, one_thread):
+    orig = rope.frequency_index
+    other = "interleaved" if layout == "half" else "half"
+    monkeypatch.setattr(rope, "frequency_index", lambda d, lay: orig(d, other))
+    problems = one_hot_problems(layout)
+    print(problems[:4])
+    assert problems
+
+
+def test_gqa_grouping_and_per_kv_head_reporting(one_thread):
+    """4 query heads on 2 KV heads, d = 8: W_q of head h in pair h, W_k of KV head g in pair
+    b_g, unit columns.  Then t_h = (h + b_{h // 2}) / 2 / 3; reading KV head h % 2 would not."""
+    d, H, Hk, b = 8, 4, 2, (3, 0)
+    wq, wk = np.zeros((M, H, d)), np.zeros((M, Hk, d))
+    rng = np.random.default_rng(4)
+    for h in range(H):
+        for c in pair_columns(h, d, "half"):
+            v = rng.standard_normal(M)
+            wq[:, h, c] = v / np.linalg.norm(v)
+    for g in range(Hk):
+        for c in pair_columns(b[g], d, "half"):
+            v = rng.standard_normal(M)
+            wk[:, g, c] = v / np.linalg.norm(v)
+    spec, w = _head("half", d, wq, wk)
+    res = heads.diagnose_weights(spec, w)
+    got = [qh["barycenter"] for qh in res["query_heads"]]
+    want = [(h + b[h // 2]) / 2 / (d // 2 - 1) for h in range(H)]
+    wrong = [(h + b[h % 2]) / 2 / (d // 2 - 1) for h in range(H)]
+    print(got, want, wrong)
+    assert np.max(np.abs(np.array(got) - want)) <= tl.FLOAT64_REL
+    assert np.max(np.abs(np.array(want) - wrong)) > 0.1  # the check can tell the groupings apart
+    assert [g["query_heads"] for g in res["kv_heads"]] == [[0, 1], [2, 3]]
+    assert [qh["kv_head"] for qh in res["query_heads"]] == [0, 0, 1, 1]
+    assert len(res["kv_heads"]) == Hk and res["group"] == 2
+    # W_k is reported once per KV head: its band energy is one-hot at b_g
+    for g in range(Hk):
+        assert np.argmax(res["kv_heads"][g]["w_k"]["band_energy_fraction"]) == b[g]
+    # the suggested base is the geometric interpolation of [1e3, 1e6] at t
+    for qh in res["query_heads"]:
+        want_b = 10 ** (3 + 3 * qh["barycenter"])
+        assert abs(qh["barycenter_base"] / want_b - 1) <= tl.FLOAT64_REL
+
+
+def test_the_documents_sketch_puts_every_key_row_in_the_slow_half(one_thread):
+    """The pseudocode indexes [W_q; W_k] rows 0..2d-1: a head whose energy is in the keys alone
+    gets t >= d/(2d-1) > 1/2 whatever pair it uses, and its value is the literal formula."""
+    d = 8
+    rng = np.random.default_rng(5)
+    for layout in ("half", "interleaved"):
+        for ell in range(d // 2):
+            wk = np.zeros((M, d))
+            for c in pair_columns(ell, d, layout):
+                v = rng.standard_normal(M)
+                wk[:, c] = v / np.linalg.norm(v)
+            t = heads.sketch_barycenter(np.zeros((M, d)), wk)
+            cols = pair_columns(ell, d, layout)
+            literal = sum((d + c) / (2 * d - 1) for c in cols) / (2 + 1e-8)
+            print(layout, ell, t, literal)
+            assert abs(t - literal) <= tl.FLOAT64_REL
+            assert t >= d / (2 * d - 1) - tl.FLOAT64_REL
+            assert heads.sketch_barycenter(wk, np.zeros((M, d))) <= (d - 1) / (2 * d - 1)
+
+
+def test_frequency_axis_runs_from_fast_to_slow():
+    spec = HeadSpec(n_heads=2, n_kv_heads=1, head_dim=16, rope=RoPESpec(base=1e4))
+    fa = heads.frequency_axis(spec)
+    assert fa["decreasing"] and fa["fastest_pair"] == 0 and fa["slowest_pair"] == 7
+    assert fa["omega_pair0"] == 1.0 and fa["omega_last"] == pytest.approx(1e4 ** (-14 / 16))
+    # from tables: the same axis read back through atan2 at position 1
+    ang = torch.arange(2, dtype=torch.float64)[:, None] * rope.rope_frequencies(1e4, 16)[None]
+    spec_t = HeadSpec(n_heads=2, n_kv_heads=1, head_dim=16,
+                      rope=RoPESpec(base=1e4, cos=torch.cos(ang), sin=torch.sin(ang)))
+    fb = heads.frequency_axis(spec_t)
+    assert "tables" in fb["source"] and fb["max_abs_diff_to_analytic"] <= tl.FLOAT64_REL
+
+
+def test_non_finite_diagnostics_are_failures_named_per_head(one_thread):
+    d, rng = 8, np.random.default_rng(6)
+    wq = rng.standard_normal((M, 2, d))
+    wq[:, 1, :] = 0.0  # query head 1 has no W_q: cond and effective rank are undefined
+    spec, w = _head("half", d, wq, rng.standard_normal((M, 1, d)))
+    res = heads.diagnose_weights(spec, w)
+    fl = heads.failures({"0": res})
+    lines = [f.line() for f in fl]
+    print(lines)
+    assert any("layer 0 query head 1: cond(W_q) = nan" in s for s in lines)
+    assert any("effective rank(W_q)" in s for s in lines)
+    assert not any("query head 0" in s or "KV head" in s for s in lines)
+    assert math.isfinite(res["query_heads"][1]["barycenter"])  # W_k alone still places it
+
+
+def test_torch_and_numpy_weights_agree(one_thread):
+    rng = np.random.default_rng(7)
+    spec, w = _head("interleaved", 8, rng.standard_normal((M, 2, 8)),
+                    rng.standard_normal((M, 1, 8)))
+    wt = HeadWeights(w_q=torch.as_tensor(w.w_q), w_k=torch.as_tensor(w.w_k),
+                     w_v=torch.as_tensor(w.w_v))
+    a, b = heads.diagnose_weights(spec, w), heads.diagnose_weights(spec, wt)
+    assert a["query_heads"] == b["query_heads"] and a["kv_heads"] == b["kv_heads"]
+
+
+def test_bad_input_is_a_heads_error():
+    spec, w = _head("half", 8, np.ones((M, 1, 8)), np.ones((M, 1, 8)))
+    with pytest.raises(heads.HeadsError, match="base range"):
+        heads.diagnose_weights(spec, w, base_range=(1e6, 1e3))
+    for text, what in (("x", "comma-separated"), ("3", "out of range"), ("", "no layers"),
+                       ("-1", "out of range")):
+        with pytest.raises(heads.HeadsError, match=what):
+            heads.parse_layers(text, 3)
+    assert heads.parse_layers("all", 3) == [0, 1, 2] and heads.parse_layers("last", 3) == [2]
+    assert heads.parse_layers("2,0,2", 3) == [0, 2]
