@@ -9,7 +9,11 @@ is a real test.  Float inputs are converted to mpf exactly (every float64/float3
 rational), so the only rounding is at the working precision.
 
 For the families whose score is not affine in ``u`` (``qknorm``, ``cosine``) the same
-construction runs in query space: ``u~_i = [q_i; 1]``, ``a~_ij = [k~_j; beta_ij]``.
+construction runs in query space: ``u~_i = [q_i; 1]``, ``a~_ij = [k~_j; beta_ij]``.  The
+gradient step in the query-space parametrisation of docs/math.md sections 3 and 11 (input
+``[q~_i; 1]`` without the score scale, features ``[scale k~_j; beta_ij]``), for every family, is
+``query_space_delta_m``, ``query_space_objective``, ``query_space_hessian`` and
+``query_space_lam_max``.
 """
 from __future__ import annotations
 
@@ -325,8 +329,7 @@ def _build(spec: HeadSpec, weights: HeadWeights, x_q: Any, pos_q: Any, x_kv: Any
         Z = _zeros(H, Q)
         for h in range(H):
             g = spec.kv_head(h)
-            sc = mp.mpf(1) / mp.mpf(spec.temperatures()[h]) if spec.family == "cosine" else (
-                mp.mpf(1) / mp.sqrt(d) if spec.scale is None else mp.mpf(spec.scale))
+            sc = score_scale(spec, h)
             # keys and values of this head's KV group, rotated with this head's base
             Rk = {}
             for j in range(N):
@@ -372,6 +375,14 @@ def _build(spec: HeadSpec, weights: HeadWeights, x_q: Any, pos_q: Any, x_kv: Any
                     mu[h, i, c] = fsum(v_all[h, j, c] for j in perm) / len(perm)
         return ExactHead(spec, mask, u_all, feats, q_all, k_all, v_all, beta, s, y, mu, Z, prec,
                          extras={"L": Lmaps, "rounded": rounded})
+
+
+def score_scale(spec: HeadSpec, h: int) -> mp.mpf:
+    """The score scale of head ``h`` at the working precision: ``1/tau_h`` (cosine), else
+    ``1/sqrt(d)`` or the spec's ``scale``."""
+    if spec.family == "cosine":
+        return mp.mpf(1) / mp.mpf(spec.temperatures()[h])
+    return mp.mpf(1) / mp.sqrt(spec.head_dim) if spec.scale is None else mp.mpf(spec.scale)
 
 
 def _np(a: Any) -> np.ndarray:
@@ -697,6 +708,88 @@ def lam_max(E: ExactHead, h: int, i: int, gauge: Any = "original") -> mp.mpf:
     with mp.workprec(E.prec):
         ev = mp.eigsy(hessian(E, h, i, gauge), eigvals_only=True)
         return max(ev)
+
+
+# ---------------------------------------------------------------------------------------------
+# the gradient step in query space (docs/math.md sections 3 and 11)
+# ---------------------------------------------------------------------------------------------
+def query_space_features(E: ExactHead, h: int, i: int, gauge: str = "original"
+                         ) -> tuple[dict, dict]:
+    """Coefficients and query-space features of one query: ``({j: c_ij}, {j: a^_j})`` with
+    ``a^_j = [scale (k~_j - k_o); beta_ij - beta_o]`` (``d + 1`` mpf; original or max-key gauge).
+
+    The input is ``z_i = [q~_i; 1]`` (:func:`query_space_input`), so ``s_ij = z_i . a^_j``; for a
+    cosine head ``k~_j`` is the rotated unit key and ``scale = 1/tau_h``.  Built from this
+    layer's own keys, biases and coefficients, not from the fast layer's.
+    """
+    if gauge not in ("original", "maxkey"):
+        raise ValueError(f"query-space features are defined in the original and max-key gauges, "
+                         f"not {gauge!r}")
+    with mp.workprec(E.prec):
+        c, _ = coefficients(E, h, i, gauge)
+        sc = score_scale(E.spec, h)
+        d = E.spec.head_dim
+        ko, bo = [mp.mpf(0)] * d, mp.mpf(0)
+        if gauge == "maxkey":
+            js = max_key(E, h, i)
+            ko, bo = list(E.k[h, js]), E.beta[h, i, js]
+        feats = {j: [sc * (E.k[h, j][p] - ko[p]) for p in range(d)] + [E.beta[h, i, j] - bo]
+                 for j in c}
+        return c, feats
+
+
+def query_space_input(E: ExactHead, h: int, i: int) -> list:
+    """``z_i = [q~_i; 1]``: the rotated (normalised) query without the score scale."""
+    with mp.workprec(E.prec):
+        sc = score_scale(E.spec, h)
+        return [qc / sc for qc in E.q[h, i]] + [mp.mpf(1)]
+
+
+def query_space_delta_m(E: ExactHead, h: int, i: int, gauge: str = "original") -> mp.matrix:
+    """``Delta M^q_i = sum_j c_ij a^_j (v_j - mu_i)^T`` ((d+1) x r), summed key by key."""
+    with mp.workprec(E.prec):
+        c, a = query_space_features(E, h, i, gauge)
+        D, r = E.spec.head_dim + 1, E.spec.r
+        M = mp.zeros(D, r)
+        for j, cj in c.items():
+            for p in range(D):
+                w = cj * a[j][p]
+                for q in range(r):
+                    M[p, q] += w * (E.v[h, j, q] - E.mu[h, i, q])
+        return M
+
+
+def query_space_objective(E: ExactHead, h: int, i: int, B: mp.matrix, gauge: str = "original"
+                          ) -> mp.mpf:
+    """``E^q_i(B) = 1/2 sum_j c_ij ||a^_j^T B - (v_j - mu_i)||^2`` for ``B`` of size (d+1) x r."""
+    with mp.workprec(E.prec):
+        c, a = query_space_features(E, h, i, gauge)
+        tot = mp.mpf(0)
+        for j, cj in c.items():
+            for q in range(B.cols):
+                res = (mp.fsum(a[j][p] * B[p, q] for p in range(B.rows))
+                       - (E.v[h, j, q] - E.mu[h, i, q]))
+                tot += cj * res * res
+        return tot / 2
+
+
+def query_space_hessian(E: ExactHead, h: int, i: int, gauge: str = "original") -> mp.matrix:
+    """``H^q_i = sum_j c_ij a^_j a^_j^T`` ((d+1) x (d+1)); ``scale^2 G_i`` bordered by the bias
+    coordinate (docs/math.md section 3)."""
+    with mp.workprec(E.prec):
+        c, a = query_space_features(E, h, i, gauge)
+        D = E.spec.head_dim + 1
+        Hm = mp.zeros(D, D)
+        for j, cj in c.items():
+            for p in range(D):
+                for q in range(D):
+                    Hm[p, q] += cj * a[j][p] * a[j][q]
+        return Hm
+
+
+def query_space_lam_max(E: ExactHead, h: int, i: int, gauge: str = "original") -> mp.mpf:
+    with mp.workprec(E.prec):
+        return max(mp.eigsy(query_space_hessian(E, h, i, gauge), eigvals_only=True))
 
 
 # ---------------------------------------------------------------------------------------------

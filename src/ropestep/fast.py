@@ -17,9 +17,11 @@ For affine heads (family ``"dot"``) ``q_i = u_i^T L_i`` with ``L_i = W^_q R(p_i)
 ``Delta M_i = L_i T_i + e_{m+1} b_i^T`` (minus ``g w_i^T`` in a free gauge ``g``).
 Every coefficient, ``T``, ``b``, readout and condition number comes from the one kernel
 (:func:`ropestep.kernel.gauge_chunk`); this module adds the per-query API around it: projection
-of arbitrary query/bank pairs, ``Delta M``, the gradient step and descent, frozen reuse and the
-prefix/full relation.  The slow, explicit references with the same definitions are
-:mod:`ropestep.exact` (mpmath) and :mod:`ropestep.direct` (the paper's form in torch).
+of arbitrary query/bank pairs, ``Delta M``, the gradient step and descent (in input space for
+affine heads, in query space -- ``query_delta_m``, ``query_descent`` -- for every family, the
+cosine family included: docs/math.md section 11), frozen reuse and the prefix/full relation.
+The slow, explicit references with the same definitions are :mod:`ropestep.exact` (mpmath) and
+:mod:`ropestep.direct` (the paper's form in torch).
 """
 from __future__ import annotations
 
@@ -289,32 +291,24 @@ class DescentCheck:
         return self.e1 < self.e0
 
 
-def descent(st: Step, space: str = "input") -> DescentCheck:
-    """λ_max(H_i) and E before/after the unit step, for every head and query.
+def descent(st: Step) -> DescentCheck:
+    """λ_max(H_i) and E before/after the unit step, for every head and query (affine heads).
 
-    ``space="input"`` (the paper's parametrisation, affine heads only): computed in the
-    (d+1)-dimensional factor space: ``a_j = L^_i k^_j`` with ``L^_i = [L_i | e_{m+1}]`` and
-    ``k^_j = [k~_j - k_o, beta_j - beta_o]``, so ``H_i = L^ G L^^T`` with
-    ``G = sum_j c_j k^_j k^_j^T`` and ``Delta M_i = L^ [T_i; b_i^T]``.
-
-    ``space="query"`` (every family, the cosine family included): input ``z_i = [q~_i; 1]``,
-    features ``a^_j = [scale (k~_j - k_o); beta_j - beta_o]``, ``H^q_i = sum_j c_j a^_j a^_j^T``
-    and the step ``Delta M^q_i = [scale T_i; b_i^T]`` (:func:`query_delta_m`); see
-    docs/math.md sections 3 and 11.  Both are valid in the original and max-key gauges.
+    Computed in the (d+1)-dimensional factor space: ``a_j = L^_i k^_j`` with
+    ``L^_i = [L_i | e_{m+1}]`` and ``k^_j = [k~_j - k_o, beta_j - beta_o]``, so
+    ``H_i = L^ G L^^T`` with ``G = sum_j c_j k^_j k^_j^T`` and ``Delta M_i = L^ [T_i; b_i^T]``.
+    Valid in the original and max-key gauges.  The query-space parametrisation (every family,
+    the cosine family included; docs/math.md sections 3 and 11) is :func:`query_descent`.
     """
-    if space not in ("input", "query"):
-        raise ValueError(f"descent(): space must be 'input' or 'query', got {space!r}")
     if _gauge_kind(st.gauge) not in ("original", "maxkey"):
         raise ValueError("descent() is defined in the original and max-key gauges")
     if st.c is None or st.t is None:
         raise ValueError("descent() needs c and t: call step(..., keep=('c','t','b'))")
-    if space == "query":
-        return _query_descent(st)
     P: Projected = st.extras["projected"]
     if not P.spec.affine:
         raise ValueError(
             f"descent(): family {P.spec.family!r} is not affine in u, so the input-space step does "
-            "not exist; use descent(st, space='query') (docs/math.md section 11)")
+            "not exist; use query_descent(st) (docs/math.md section 11)")
     H, Q, N = st.c.shape
     k = P.k
     beta = P.beta if P.beta is not None else torch.zeros(H, Q, N, dtype=k.dtype, device=k.device)
@@ -449,11 +443,13 @@ def query_features(st: Step, head: int, query: int) -> torch.Tensor:
 
 
 def query_delta_m(st: Step) -> torch.Tensor:
-    """The query-space step ``Delta M^q_i = [scale T_i; b_i^T] = -grad E^q_i(0)``, ``(H, Q, d+1, r)``.
+    """The query-space step ``Delta M^q_i = [scale T_i; b_i^T] = -grad E^q_i(0)``,
+    ``(H, Q, d+1, r)``.
 
     With :func:`query_input` ``z_i``: ``y_i = mu_i + z_i^T Delta M^q_i`` -- the identity in
     query space, which holds for every family, the cosine family included (docs/math.md
-    section 11).  Needs ``t`` (``keep`` of :func:`step`).
+    section 11); :func:`query_descent` gives the step's ``lambda_max`` and energies (without
+    additive biases, whose coordinate it leaves out).  Needs ``t`` (``keep`` of :func:`step`).
     """
     P = _query_gauge(st, "query_delta_m()")
     if st.t is None:
@@ -461,31 +457,6 @@ def query_delta_m(st: Step) -> torch.Tensor:
     top = st.t * P.scale[:, None, None, None]
     brow = torch.zeros_like(top[:, :, :1]) if st.b is None else st.b[:, :, None]
     return torch.cat((top, brow), 2)
-
-
-def _query_descent(st: Step) -> DescentCheck:
-    """:func:`descent` in query space: ``(d+1) x (d+1)`` Hessians ``sum_j c_j a^_j a^_j^T``."""
-    P = _query_gauge(st, "descent(space='query')")
-    H, Q, N = st.c.shape
-    k = P.k * P.scale[:, None, None]
-    beta = P.beta if P.beta is not None else torch.zeros(H, Q, N, dtype=k.dtype, device=k.device)
-    khat = torch.cat((k[:, None].expand(H, Q, N, k.shape[-1]), beta[..., None]), -1)
-    if st.gauge == "maxkey":
-        js = torch.where(st.mask[None], st.s, torch.full_like(st.s, -torch.inf)).argmax(-1)
-        off = torch.gather(khat, 2, js[..., None, None].expand(H, Q, 1, khat.shape[-1]))
-        khat = khat - off
-    Hq = khat.transpose(-1, -2) @ (st.c[..., None] * khat)  # (H, Q, d+1, d+1)
-    if not bool(torch.isfinite(Hq).all()):
-        raise FloatingPointError(
-            f"descent(space='query'): the Hessian sum_j c_j a_j a_j^T leaves the {Hq.dtype} range "
-            "(docs/math.md section 3) -- use the max-key gauge or the exact layer")
-    lam = torch.linalg.eigvalsh(Hq)[..., -1]
-    dmq = query_delta_m(st)
-    vc = P.v[:, None] - st.mu[:, :, None]
-    e0 = 0.5 * (st.c * (vc * vc).sum(-1)).sum(-1)
-    res = khat @ dmq - vc  # (H, Q, N, r)
-    e1 = 0.5 * (st.c * (res * res).sum(-1)).sum(-1)
-    return DescentCheck(lam, e0, e1)
 
 
 # ---------------------------------------------------------------------------------------------
