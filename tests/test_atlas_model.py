@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from ropestep import atlas, tolerances
@@ -52,7 +53,9 @@ def test_exit_codes(tiny_dir, tmp_path, monkeypatch, capsys):
     assert atlas.main(_argv(str(tiny_dir), tmp_path / "bad", "--len", "1")) == 2
     assert atlas.main(_argv(str(tmp_path / "missing"), tmp_path / "bad2")) == 2
     assert not (tmp_path / "bad").exists()
-    monkeypatch.setattr(tolerances, "native_rel_tol", lambda *a: 0.0)  # nothing can pass
+    monkeypatch.setattr(tolerances, "model_dtype_native_bound",  # nothing can pass
+                        lambda *a, **k: np.zeros(np.broadcast_shapes(np.shape(a[1]),
+                                                                     np.shape(a[2]))))
     assert atlas.main(_argv(str(tiny_dir), tmp_path / "fail")) == 1
     err = capsys.readouterr().err
     assert "FAIL layer 0 head 0: float64_vs_native" in err
