@@ -192,7 +192,7 @@ def tiny_run(tiny_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("runs") / "tiny_report"
     argv = ["validate", "--model", str(tiny_dir), "--corpus", "default", "--contexts", "3",
             "--queries", "4", "--prefix-len", "40", "--layers", "all", "--heads", "all",
-            "--seed", "1", "--out", str(out), "--quiet"]
+            "--seed", "1", "--exact-rows", "1", "--out", str(out), "--quiet"]
     rc = cli.main(argv)
     assert rc == 0
     return out, json.loads((out / "report.json").read_text())
@@ -241,6 +241,8 @@ def test_cli_tiny_end_to_end(tiny_run):
             assert pc["refresh_identity_pass"] and pc["frozen_crosscheck_pass"]
             assert len(pc["tokenwise_rel"]) == len(pc["heads"]) == 7
         assert len(lr["descent"]["per_head"]) == 7
+        assert all(v["ok"] for k, v in lr["real_heads"].items() if k != "per_context")
+        assert lr["reuse"]["heads_below_constant"]["of"] == 7
         assert set(lr["fast"]) == {"float32/original", "float32/maxkey", "bfloat16/original",
                                    "bfloat16/maxkey"}
     md = (out / "report.md").read_text()
@@ -369,7 +371,7 @@ def test_cli_tiny_bfloat16(tiny_dir, tmp_path):
     out = tmp_path / "bf16"
     assert cli.main(["validate", "--model", str(tiny_dir), "--contexts", "2", "--queries", "3",
                      "--prefix-len", "24", "--layers", "last", "--dtype", "bfloat16",
-                     "--no-figures", "--quiet", "--out", str(out)]) == 0
+                     "--exact-rows", "1", "--no-figures", "--quiet", "--out", str(out)]) == 0
     r = json.loads((out / "report.json").read_text())
     rec = r["layers"]["1"]["reconstruction"]
     assert r["model"]["dtype"] == "bfloat16" and rec["rows_passed"] == rec["rows_total"]
@@ -533,6 +535,18 @@ def _check_smollm2(r: dict, contexts: int) -> None:
     assert lr["calibration"]["checks"]["tokenwise_max_rel"] <= 1e-12
     assert lr["calibration"]["checks"]["bound_violations"] == 0
     assert r["model"]["gguf_sha256"] and r["model"]["n_heads"] == 9
+    # the claims on the real heads, and the oracle on real rows (issue 9's acceptance: <= 1e-12)
+    rh = lr["real_heads"]
+    for name in ("conventions", "positive_coefficients", "rank", "no_global_readout",
+                 "position_derivative", "position_shift", "exact_rows"):
+        assert rh[name]["ok"] and rh[name]["contexts"] >= 1, name
+    assert rh["positive_coefficients"]["min_c"] > 0 and rh["rank"]["rank_max"] <= 64
+    assert rh["no_global_readout"]["lower_certified_min"] > 0
+    assert max(rh["exact_rows"][k] for k in ("y_rel_max", "delta_m_rel_max", "readout_rel_max")) \
+        <= 1e-12
+    d = lr["descent"]
+    assert "input" in d["space"] and "query" in d["query_space"]["space"]
+    assert d["replication_style"]["pairs"] == 9 * contexts
 
 
 @pytest.mark.model
@@ -542,7 +556,8 @@ def test_smollm2_small_end_to_end(tmp_path):
 
     out = tmp_path / "smollm2"
     rc = cli.main(["validate", "--model", "smollm2", "--contexts", "2", "--queries", "4",
-                   "--prefix-len", "128", "--layers", "29", "--out", str(out), "--quiet"])
+                   "--prefix-len", "128", "--layers", "29", "--exact-rows", "1", "--out", str(out),
+                   "--quiet"])
     assert rc == 0
     r = json.loads((out / "report.json").read_text())
     _check_smollm2(r, 2)

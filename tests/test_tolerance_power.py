@@ -35,6 +35,7 @@ import torch
 
 from ropestep import exact, fast, lowrank, scale
 from ropestep import tolerances as tl
+from ropestep.spec import HeadSpec, HeadWeights, RoPESpec
 from oracle import gl_rule_errors, kappa_agreement, top2_gap
 from strategies import make_problem
 
@@ -542,6 +543,45 @@ def check_reorder_rel():
     return assert_power("reorder_rel", r, tl.SLACK_REORDER_REL)
 
 
+def model_native_cases() -> tuple:  # not cached: the bound is evaluated inside the atlas
+    """``ropestep atlas``'s per-query comparison with a model's own output: layers whose
+    "model" is a plain float32 causal softmax attention over float32-rounded inputs and weights
+    (what a float32 model's eager attention computes), max-key kappa up to ~470; the float64
+    readout (model-side term dominates) and the float32 readout (kappa term) against it."""
+    from ropestep import atlas
+
+    out = []
+    for seed, amp, voff in ((0, 3.0, 0.0), (1, 5.0, 0.0), (2, 3.0, 30.0)):
+        g = torch.Generator().manual_seed(seed)
+        N, H, Hk, d, m = 96, 2, 1, 8, 6
+
+        def rnd(*sh, std=1.0):
+            return torch.randn(*sh, generator=g, dtype=F64) * std
+
+        spec = HeadSpec(H, Hk, d, rope=RoPESpec(base=100.0))
+        w = HeadWeights(rnd(m, H, d, std=amp), rnd(m, Hk, d, std=amp), rnd(m, Hk, d),
+                        rnd(H, d, std=0.5), rnd(Hk, d, std=0.5), rnd(Hk, d, std=0.3) + voff)
+        x = rnd(N, m)
+        w32 = HeadWeights(*(t.float().double() for t in (w.w_q, w.w_k, w.w_v, w.b_q, w.b_k,
+                                                          w.b_v)))
+        L32 = scale.project_layer(spec, w32, x.float().double(), torch.arange(N), dtype=F32)
+        causal = torch.triu(torch.ones(N, N, dtype=torch.bool), 1)
+        native = torch.zeros(N, H, d)
+        for h in range(H):
+            gk = L32.group_of(h)
+            p = torch.softmax((L32.q[h] @ L32.k[gk].T).masked_fill(causal, -math.inf), -1)
+            native[:, h] = p @ L32.v[L32.kv_of_group[gk]]
+        a = atlas.evaluate_layer(spec, w, x, torch.arange(N), native).arrays
+        out.append(float(np.nanmax(a["native_abs"] / a["native_bound"])))
+        out.append(float(np.nanmax(a["lp_abs"] / a["lp_bound"])))
+    return tuple(out)
+
+
+def check_model_dtype_native_bound():
+    return assert_power("model_dtype_native_bound", max(model_native_cases()),
+                        tl.SLACK_MODEL_DTYPE_NATIVE_BOUND)
+
+
 @functools.cache
 def identity_check_cases() -> tuple:
     """tests/test_nonfinite.py's layers: every score -636 (float32) or -1075 (float64), max-key."""
@@ -748,6 +788,99 @@ def check_capture_dtype_rel():
 
 
 # ---------------------------------------------------------------------------------------------
+# ropestep.realchecks: model projections, positional evaluations, central differences
+# ---------------------------------------------------------------------------------------------
+@functools.cache
+def rotated_projection_cases() -> tuple:
+    """Float32 projections ``x W^T + b`` of non-negative inputs by non-negative weights (no
+    cancellation, as for ``HM_LAMBDA``) rotated in float32 by float32 tables of angles up to 511
+    (``q cos + rotate_half(q) sin``, a model's operations), against float64 on the same
+    values: ``(error, A_c + A_c', n_terms)`` per case; the bound is read at check time."""
+    out = []
+    for K in (2, 4):  # one input plus a bias, three plus a bias: the rounding count dominates
+        for seed in range(4):
+            g = torch.Generator().manual_seed(seed)
+            n, d = 64, 8
+            x = torch.rand(n, K - 1, generator=g)
+            lin = torch.nn.Linear(K - 1, d)
+            with torch.no_grad():
+                lin.weight.copy_(torch.rand(d, K - 1, generator=g))
+                lin.bias.copy_(torch.rand(d, generator=g))
+                pos = torch.randint(0, 512, (n,), generator=g)
+                inv = 1.0 / (1e4 ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
+                ang = pos[:, None].float() * inv
+                cos, sin = torch.cat((ang.cos(),) * 2, -1), torch.cat((ang.sin(),) * 2, -1)
+
+                def rh(z):
+                    return torch.cat((-z[..., d // 2:], z[..., : d // 2]), -1)
+
+                q = lin(x)
+                q32 = q * cos + rh(q) * sin
+                q64 = x.double() @ lin.weight.double().T + lin.bias.double()
+                ref = q64 * cos.double() + rh(q64) * sin.double()
+            A = q64  # every term is >= 0: |x| |W|^T + |b| is the projection itself
+            pair = A + torch.cat((A[:, d // 2:], A[:, : d // 2]), -1)
+            out.append(((q32.double() - ref).abs(), pair, K))
+    return tuple(out)
+
+
+def check_rotated_projection_abs():
+    r = max(float((err / tl.rotated_projection_abs(F32, A2, K)).max())
+            for err, A2, K in rotated_projection_cases())
+    return assert_power("rotated_projection_abs", r, tl.SLACK_ROTATED_PROJECTION_ABS)
+
+
+@functools.cache
+def position_eval_cases() -> tuple:
+    """Two float64 evaluations of one head's output whose exact values are equal (every
+    position offset by ``2^32`` and by ``3 2^31 + 12345``: RoPE sees only differences), so they
+    differ by the rounding of the angles ``p omega`` at ``p ~ 2^32``, where that term of
+    ``tolerances.position_eval_abs`` dominates.  One pair (``omega = 0.1``) carries the query and
+    key energy; two keys.  ``(error, N, d, m, S, position, slope)`` per case."""
+    from ropestep import rope
+    from ropestep.spec import HeadSpec, HeadWeights, RoPESpec
+
+    out = []
+    for seed in range(200):
+        rng = np.random.default_rng(seed)
+        d, m, N, base = 4, 2, 2, 100.0
+        spec = HeadSpec(1, 1, d, rope=RoPESpec(base=base), scale=1.0)
+        wq, wk = np.zeros((m, 1, d)), np.zeros((m, 1, d))
+        wq[:, 0, [1, 3]] = rng.standard_normal((m, 2))
+        wk[:, 0, [1, 3]] = rng.standard_normal((m, 2))
+        w = HeadWeights(w_q=wq, w_k=wk, w_v=rng.standard_normal((m, 1, d)))
+        xq, xk = rng.standard_normal((1, m)), rng.standard_normal((N, m))
+        offs = (2 ** 32, 3 * 2 ** 31 + 12345)
+        st_ = [fast.step(spec, w, xq, np.array([N]) + c, xk, np.arange(N) + c, "bank")
+               for c in offs]
+        P = st_[0].extras["projected"]
+        q, K, V = P.q[0, 0], P.k[0], P.v[0]
+        om = rope.rope_frequencies(base, d)
+        li = rope.frequency_index(d, "half")
+        qp = torch.zeros(d // 2, dtype=F64).index_add_(0, li, q * q).sqrt()
+        kp = torch.zeros(N, d // 2, dtype=F64).index_add_(1, li, K * K).sqrt()
+        G1 = float((kp * qp * om).sum(1).max())
+        slope = (V.max(0).values - V.min(0).values) * 2 * G1
+        out.append(((st_[0].y[0, 0] - st_[1].y[0, 0]).abs(), N, d, m, float(V.abs().max()),
+                    max(offs) + N, slope))
+    return tuple(out)
+
+
+def check_position_eval_abs():
+    r = max(float((err / torch.as_tensor(tl.position_eval_abs(N, d, m, S, p, sl))).max())
+            for err, N, d, m, S, p, sl in position_eval_cases())
+    return assert_power("position_eval_abs", r, tl.SLACK_POSITION_EVAL_ABS)
+
+
+def check_central_difference_abs():
+    """``sin`` at 0.3 with ``h = 2^-5``, where ``|sin'''| = cos`` nearly attains its bound 1."""
+    p, h = 0.3, 2.0 ** -5
+    err = abs((math.sin(p + h) - math.sin(p - h)) / (2 * h) - math.cos(p))
+    r = err / float(tl.central_difference_abs(h, 1.0, 0.0))
+    return assert_power("central_difference_abs", r, tl.SLACK_CENTRAL_DIFFERENCE_ABS)
+
+
+# ---------------------------------------------------------------------------------------------
 # the list: every tolerance of the module, and what is exempt (with the reason)
 # ---------------------------------------------------------------------------------------------
 MODEL = pytest.mark.skipif(not HAVE_TRANSFORMERS, reason="needs transformers (the tiny model)")
@@ -773,6 +906,7 @@ TOLERANCES = [  # (name in ropestep.tolerances, "const" or "func", its power che
     ("QUERY_FORM_REL", "const", check_query_form_rel),
     ("reorder_rel", "func", check_reorder_rel),
     ("identity_check_tol", "func", check_identity_check_tol),
+    ("model_dtype_native_bound", "func", check_model_dtype_native_bound),
     ("gl_moment_abs", "func", check_gl_moment_abs),
     ("HM_LAMBDA", "const", check_hm_lambda),
     ("CAPTURE_K", "const", check_capture_k),
@@ -781,6 +915,9 @@ TOLERANCES = [  # (name in ropestep.tolerances, "const" or "func", its power che
     ("rope_table_abs", "func", check_rope_table_abs),
     ("CONT_ULPS_PER_BLOCK", "const", check_cont_ulps_per_block),
     ("CAPTURE_DTYPE_REL", "const", check_capture_dtype_rel),
+    ("rotated_projection_abs", "func", check_rotated_projection_abs),
+    ("position_eval_abs", "func", check_position_eval_abs),
+    ("central_difference_abs", "func", check_central_difference_abs),
 ]
 NEEDS_MODEL = {"LINEAR64_TOL", "CONT_ULPS_PER_BLOCK", "CAPTURE_DTYPE_REL"}
 
@@ -799,6 +936,7 @@ EXEMPT = {  # public names of the module that are not tolerances, and why
     "FLOAT64_HUGE": "overflow guard", "MAXKEY_TIE": "tie guard", "MAXKEY_TIE_LOWP": "tie guard",
     "DD_DIRECT_GAP": "input selection (where the direct quotient keeps its digits)",
     "REFUSAL_SCORE": "certification threshold (where 1/Z may overflow)",
+    "rank_threshold": "numerical-rank threshold (separates an exact rank bound from rounding)",
 }
 
 

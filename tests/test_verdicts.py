@@ -101,7 +101,7 @@ def test_verdict_module_imports_nothing_from_ropestep():
 # ropestep validate (tiny random Qwen2, local; a few seconds per run)
 # ---------------------------------------------------------------------------------------------
 SMALL = ["--contexts", "1", "--queries", "3", "--prefix-len", "16", "--layers", "last",
-         "--no-figures", "--quiet"]
+         "--exact-rows", "1", "--no-figures", "--quiet"]
 
 
 @pytest.fixture(scope="module")
@@ -235,6 +235,16 @@ def test_protocol_verdict_from_a_report_dict():
     nan_mass = copy.deepcopy(full)  # no native self mass captured: a failure, never a pass
     nan_mass["layers"]["7"]["reconstruction"]["rows"][0]["self_mass_vs_native_max_abs"] = NAN
     assert [f.check for f in protocol.verdict(nan_mass)] == ["self_mass"]
+    # a failed claim on the real heads (or a NaN in one) is named with its layer and context
+    for name, field, value in (("conventions", "q_rel_max", 2.1), ("exact_rows", "y_rel_max", NAN),
+                               ("position_shift", "ratio_max", 1.9e11)):
+        claim = copy.deepcopy(res)
+        claim["layers"]["7"]["real_heads"] = {"per_context": [
+            {"context": 3, "rank": {"rank_max": 40, "ok": True},
+             name: {field: value, "ok": False, "tolerance_from": "t"}}]}
+        fl = protocol.verdict(claim)
+        assert [(f.where, f.check) for f in fl] == [("layer 7 context 3", name)], name
+        assert (fl[0].value != fl[0].value) if value != value else fl[0].value == value
     pooled = copy.deepcopy(res)
     pooled["layers"]["7"]["reconstruction"]["combined"]["native"]["max_abs"] = NAN
     fl = protocol.verdict(pooled)

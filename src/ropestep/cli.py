@@ -62,6 +62,9 @@ def add_validate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", metavar="cpu|cuda",
                    help="device for the model and the fast path [cpu]")
     p.add_argument("--seed", type=int, default=1, help="block-selection seed (paper: 1) [1]")
+    p.add_argument("--exact-rows", type=int, default=4, metavar="K",
+                   help="seeded (context, head, query) rows checked against the 50-digit mpmath "
+                        "oracle on the block's causal prefix [4]")
     p.add_argument("--out", required=True, metavar="DIR",
                    help="report directory (report.json, report.md, figures/); replaced "
                         "atomically when it exists")
@@ -97,7 +100,7 @@ def cmd_validate(args: argparse.Namespace, argv: Sequence[str]) -> int:
         model=args.model, revision=args.revision, gguf=args.gguf, corpus=args.corpus,
         corpus_revision=args.corpus_revision, contexts=args.contexts, queries=args.queries,
         prefix_len=args.prefix_len, layers=args.layers, heads=args.heads, dtype=args.dtype,
-        device=args.device, seed=args.seed)
+        device=args.device, seed=args.seed, exact_rows=args.exact_rows)
     t0 = time.perf_counter()
     try:
         result = protocol.run(cfg, progress=not args.quiet, command=["ropestep", *argv])

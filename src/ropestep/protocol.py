@@ -43,7 +43,7 @@ import torch
 
 from . import __version__, fast
 from . import reuse_stats as rs
-from .verdict import Failure, finite, worst
+from .verdict import Failure, finite, least, worst
 from .provenance import portable_command, portable_config, portable_name
 from .corpus import Block, CorpusError, load_corpus, select_blocks, sha256_file, tokenizer_fn
 
@@ -142,6 +142,7 @@ class Config:
     dtype: str = "float32"
     device: str = "cpu"
     seed: int = 1
+    exact_rows: int = 4  # (context, head, query) rows checked against the 50-digit oracle
 
 
 # ---------------------------------------------------------------------------------------------
@@ -183,6 +184,8 @@ def check_sizes(cfg: Config) -> None:
                             f"got {cfg.prefix_len}")
     if cfg.dtype not in DTYPES:
         raise ProtocolError(f"--dtype must be one of {sorted(DTYPES)}, got {cfg.dtype!r}")
+    if cfg.exact_rows < 0:
+        raise ProtocolError(f"--exact-rows must be >= 0, got {cfg.exact_rows}")
     dev = str(cfg.device)
     if not (dev == "cpu" or dev.startswith("cuda")):
         raise ProtocolError(f"--device must be 'cpu' or 'cuda[:N]', got {dev!r}")
@@ -569,6 +572,105 @@ def evaluate_layer(spec, weights, cap: ContextCapture, layer: int, model_dtype: 
 
 
 # ---------------------------------------------------------------------------------------------
+# conventions, the oracle on real rows, and the paper's claims on the real heads
+# ---------------------------------------------------------------------------------------------
+EXACT_BANK = (8, 24)  # oracle rows: causal queries at these block positions (50 digits is slow)
+POSITIONAL_QUERIES = 3  # prefix tokens per context for d y/d p and the exact shift
+
+
+def real_checks(model: Any, spec, weights, cap: ContextCapture, layer: int, context: int,
+                seed: int, exact_queries: Sequence[tuple[int, int]] = ()) -> dict:
+    """:mod:`ropestep.realchecks` on one context at one layer (docs/math.md sections 1, 3, 5, 7):
+
+    * ``conventions``: the model's own projections, ``apply_rotary_pos_emb`` and ``repeat_kv``
+      against ropestep's head description, on the bank;
+    * ``positive_coefficients``: ``min c_ij > 0`` over every head, candidate and bank key;
+    * ``rank``: ``rank(Delta M_i W_o,h) <= d`` for every head at the observed token and one
+      seeded candidate;
+    * ``no_global_readout``: a certified lower bound on the error of any single affine readout
+      serving the ``Q`` candidates;
+    * ``position_derivative`` / ``position_shift``: ``d y_i / d p_i`` by the RoPE generator and
+      ``y_i(p_i + delta) - y_i(p_i)`` through ``phi_1(delta A)`` against the model's own attention
+      at shifted position ids, on seeded prefix tokens;
+    * ``exact_rows``: the float64 fast path against the mpmath oracle (50 digits) on the given
+      ``(head, query)`` rows of the block's causal prefix (queries in :data:`EXACT_BANK`).
+    """
+    from . import realchecks as rc
+
+    pre, qry = cap.prefix[layer], cap.queries[layer]
+    xp, xq = pre.x.double(), qry.x.double()
+    N, Q = xp.shape[0], xq.shape[0]
+    pos_kv, pos_q = np.arange(N), np.full(Q, N)
+    rng = np.random.default_rng([seed, context, layer])
+    head = (spec, weights)
+    out = {"context": context,
+           "conventions": rc.conventions(model, layer, xp, pos_kv, head=head),
+           "positive_coefficients": rc.positive_coefficients(spec, weights, xq, pos_q, x_kv=xp,
+                                                             pos_kv=pos_kv)}
+    other = int(rng.integers(1, Q)) if Q > 1 else 0
+    out["rank"] = rc.delta_m_rank(spec, weights, xq, pos_q,
+                                  [(h, i) for h in range(spec.n_heads) for i in sorted({0, other})],
+                                  x_kv=xp, pos_kv=pos_kv)
+    out["no_global_readout"] = (rc.no_global_readout(spec, weights, xq, pos_q, xp, pos_kv)
+                                if Q >= 2 else None)
+    qs = sorted(int(i) for i in rng.choice(np.arange(1, N), size=min(POSITIONAL_QUERIES, N - 1),
+                                           replace=False))
+    out["position_derivative"] = rc.position_derivative(model, layer, xp, pos_kv, qs, head=head)
+    out["position_shift"] = rc.position_shift(model, layer, xp, pos_kv, qs, head=head)
+    if exact_queries:
+        n = max(i for _, i in exact_queries) + 1
+        t = time.perf_counter()
+        out["exact_rows"] = rc.exact_rows(spec, weights, xp[:n], pos_kv[:n], list(exact_queries))
+        out["exact_rows_seconds"] = time.perf_counter() - t
+    return out
+
+
+def exact_sample(n_contexts: int, n_heads: int, prefix_len: int, k: int, seed: int
+                 ) -> dict[int, list[tuple[int, int]]]:
+    """The seeded oracle sample: ``k`` distinct ``(context, head, query)`` rows, queries in
+    :data:`EXACT_BANK` (clipped to the bank), grouped by context."""
+    lo, hi = EXACT_BANK[0], min(EXACT_BANK[1], prefix_len - 1)
+    lo = min(lo, hi - 1)
+    grid = [(c, h, i) for c in range(n_contexts) for h in range(n_heads) for i in range(lo, hi)]
+    rng = np.random.default_rng([seed, 9])
+    pick = sorted(rng.choice(len(grid), size=min(k, len(grid)), replace=False).tolist()) if k else []
+    out: dict[int, list[tuple[int, int]]] = {}
+    for j in pick:
+        c, h, i = grid[j]
+        out.setdefault(c, []).append((h, i))
+    return out
+
+
+# which value of each real-head check the report pools and the verdict names
+REAL_CHECKS = {
+    "conventions": ("q_rel_max", "k_rel_max", "v_rel_max"),
+    "positive_coefficients": ("min_c",),
+    "rank": ("rank_max",),
+    "no_global_readout": ("lower_certified_min",),
+    "position_derivative": ("ratio_max",),
+    "position_shift": ("ratio_max",),
+    "exact_rows": ("y_rel_max", "delta_m_rel_max", "c_rel_max", "readout_rel_max"),
+}
+
+
+def summarize_real_checks(per_ctx: list[dict]) -> dict:
+    """Pool the per-context real-head checks: for each, whether every context passed, the worst
+    value of each reported field, and the per-context records (the verdict's data)."""
+    out: dict = {"per_context": per_ctx}
+    for name, fields in REAL_CHECKS.items():
+        recs = [r[name] for r in per_ctx if r.get(name) is not None]
+        if not recs:
+            continue
+        agg = {"contexts": len(recs), "ok": all(bool(r.get("ok")) for r in recs)}
+        for f in fields:
+            vals = [r.get(f) for r in recs]
+            agg[f] = (least(vals) if f.startswith(("min", "lower")) or f.endswith("_min")
+                      else worst(vals))
+        out[name] = agg
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
 # pooling over contexts
 # ---------------------------------------------------------------------------------------------
 def _mean(xs: Sequence[float]) -> float:
@@ -696,6 +798,16 @@ def verdict(result: dict) -> list[Failure]:
             for c in ent.get("combined", {}).get("nonfinite_contexts", []):
                 mine.append(Failure(f"layer {L} context {c} head combined", f"fast {key}",
                                     detail="non-finite error"))
+        for rec in (lr.get("real_heads") or {}).get("per_context", []):
+            for name, fields in REAL_CHECKS.items():
+                r = rec.get(name)
+                if r is None or r.get("ok"):
+                    continue
+                vals = [r.get(f) for f in fields if isinstance(r.get(f), (int, float))]
+                v = next((x for x in vals if not finite(x)), vals[0] if vals else math.nan)
+                mine.append(Failure(f"layer {L} context {rec['context']}", name, v,
+                                    detail=" ".join(f"{f}={r.get(f)}" for f in fields)
+                                    + f"; tolerance from {r.get('tolerance_from', '?')}"))
         if not mine:  # a safety net: pooled numbers no finer check has accounted for
             for sec, sub in (("reconstruction", lr["reconstruction"]), ("fast", lr["fast"]),
                              ("calibration.checks", ck), ("reuse", lr["reuse"])):
@@ -955,7 +1067,9 @@ def run(cfg: Config, *, progress: bool = True, command: Sequence[str] | None = N
     specs = {L: models.layer_head(model, L, cfg.prefix_len, dtype=torch.float64, device=dev)
              for L in layers}
     ctx_records, per_layer = [], {L: [] for L in layers}
-    t_cap = t_eval = t_fwd = 0.0
+    real = {L: [] for L in layers}
+    oracle_rows = exact_sample(len(blocks), info.n_heads, cfg.prefix_len, cfg.exact_rows, cfg.seed)
+    t_cap = t_eval = t_fwd = t_real = t_exact = 0.0
     bar = _progress(len(blocks), progress, f"{Path(prov['source']).name} L={cfg.prefix_len}")
     try:
         for c, blk in enumerate(blocks):
@@ -968,6 +1082,15 @@ def run(cfg: Config, *, progress: bool = True, command: Sequence[str] | None = N
                 spec, w = specs[L]
                 per_layer[L].append(evaluate_layer(spec, w, cap, L, cfg.dtype, dev))
             t_eval += time.perf_counter() - t
+            for L in layers:
+                spec, w = specs[L]
+                t = time.perf_counter()
+                rc_ = real_checks(model, spec, w, cap, L, c, cfg.seed, oracle_rows.get(c, ()))
+                dt = time.perf_counter() - t
+                t_ex = rc_.get("exact_rows_seconds", 0.0)
+                t_exact += t_ex
+                t_real += dt - t_ex
+                real[L].append(rc_)
             ctx_records.append(_context_record(c, blk, cap, tok))
             if bar is not None:
                 bar.update(1)
@@ -975,6 +1098,7 @@ def run(cfg: Config, *, progress: bool = True, command: Sequence[str] | None = N
         if bar is not None:
             bar.close()
     timings["capture_s"], timings["evaluate_s"] = t_cap, t_eval
+    timings["real_checks_s"], timings["exact_oracle_s"] = t_real, t_exact
     # the model's own forwards over the same tokens (one plain forward per block, no hooks),
     # measured in this run: the yardstick of the run's cost
     timings["model_forward_s"] = t_fwd
@@ -982,10 +1106,14 @@ def run(cfg: Config, *, progress: bool = True, command: Sequence[str] | None = N
     layer_out = {}
     for L in layers:
         layer_out[str(L)] = summarize_layer(per_layer[L], heads, info.n_heads)
+        layer_out[str(L)]["real_heads"] = summarize_real_checks(real[L])
     timings["total_s"] = time.perf_counter() - t_start
     work = timings["total_s"] - timings["model_load_s"] - t_fwd
     timings["work_s"] = work  # everything but the model load and the yardstick forwards
     timings["work_over_model_forward"] = work / t_fwd if t_fwd > 0 else math.nan
+    # the same without the 50-digit oracle rows (their cost is mpmath's, fixed per row)
+    timings["work_over_model_forward_without_oracle"] = ((work - t_exact) / t_fwd if t_fwd > 0
+                                                         else math.nan)
     env = environment(dev)
     paper = is_paper_setup(cfg, layers, heads)
     result = {

@@ -351,6 +351,35 @@ def _layer_md(layer: int, lr: dict, r: dict, paper: dict | None, figs: list[str]
                 + (["query λ_max median", "query frac rows E↑", "query E increases"]
                    if qs is not None else []), rows)
     L.append("")
+    rh = lr.get("real_heads")
+    if rh:
+        what = {
+            "conventions": "model's own q/k/v projections, `apply_rotary_pos_emb`, `repeat_kv` "
+                           "vs ropestep's head description (max rel. q / k / v)",
+            "positive_coefficients": "min c_ij over every head, candidate and key (> 0)",
+            "rank": "max numerical rank of ΔM_i W_o,h (≤ d)",
+            "no_global_readout": "certified lower bound on any common affine readout's error "
+                                 "(> 0)",
+            "position_derivative": "∂y_i/∂p_i by the RoPE generator vs the model's attention at "
+                                   "shifted position ids (error / tolerance)",
+            "position_shift": "y_i(p_i+δ) − y_i(p_i) via φ₁(δA) vs the model at p_i+δ "
+                              "(error / tolerance)",
+            "exact_rows": "float64 path vs the 50-digit mpmath oracle on sampled real rows "
+                          "(y / ΔM / c / readout, relative)",
+        }
+        rows = []
+        for name, desc in what.items():
+            a = rh.get(name)
+            if not a:
+                continue
+            vals = " / ".join(fmt(a[f]) for f in a if f not in ("contexts", "ok"))
+            rows.append([f"`{name}`", desc, vals, str(a["contexts"]),
+                         "yes" if a["ok"] else "**NO**"])
+        L += ["### Claims on the real heads", "",
+              "docs/protocol.md, \"Reconstruction results\"; `ropestep.realchecks` (each check's "
+              "tolerance and its derivation are in the JSON).", ""]
+        L += _table(["check", "what", "worst value(s)", "contexts", "pass"], rows)
+        L.append("")
     if figs:
         L += ["### Figures", ""] + [f"![{Path(f).stem}]({f})" for f in figs] + [""]
     return L

@@ -458,9 +458,11 @@ numpy's unpolished rule, whose weight errors the reordering exposed)."""
 
 
 def model_dtype_native_bound(dtype: torch.dtype, kappa, n_keys, head_dim: int, hidden: int,
-                             score_max, qk_max, value_scale, native_scale):
-    """Absolute bound on ``|readout_lp - y_model|`` per query (``ropestep atlas``): this suite's
-    max-key readout evaluated in the model's dtype against the model's own head output.
+                             score_max, qk_max, value_scale, native_scale,
+                             arith: torch.dtype | None = None):
+    """Absolute bound on ``|readout - y_model|`` per query (``ropestep atlas``): this suite's
+    readout, evaluated in ``arith`` (default: the model's dtype ``dtype``) in a gauge whose
+    condition number is ``kappa``, against the model's own head output (a ``dtype`` model).
 
     The two sides' errors against the exact head output on the captured inputs add:
 
@@ -483,8 +485,16 @@ def model_dtype_native_bound(dtype: torch.dtype, kappa, n_keys, head_dim: int, h
     else:
         model_side = np.asarray(native_scale) * np.vectorize(
             lambda q: native_rel_tol_lowp(dtype, float(q)))(np.asarray(qk_max, dtype=float))
-    ours = identity_check_tol(dtype, kappa, n_keys, head_dim, score_max) * np.asarray(value_scale)
+    ours = identity_check_tol(dtype if arith is None else arith, kappa, n_keys, head_dim,
+                              score_max) * np.asarray(value_scale)
     return model_side + ours
+
+
+SLACK_MODEL_DTYPE_NATIVE_BOUND = 20.0
+"""Measured looseness of :func:`model_dtype_native_bound` on its power cases (plain float32
+causal softmax attention as the "model", max-key kappa up to ~470): the float64 readout against
+it reaches 0.07 of the bound (the model-side term; 0.04-0.15 over other seeds), the float32
+readout ~0.02 (the kappa term)."""
 
 
 def identity_check_tol(dtype: torch.dtype, kappa, n_keys: int, head_dim: int, score_max=0.0):
@@ -684,3 +694,109 @@ where ``|a - b|`` exceeds this: the cancellation then costs at most 3 of its dig
 REFUSAL_SCORE = -700.0
 """The original gauge may refuse (``FloatingPointError``) only where some query's every score is
 below this: ``1/Z`` overflows only when ``Z < e^{-709.78}``, i.e. ``max_j s_j < -709.78``."""
+
+
+# ---------------------------------------------------------------------------------------------
+# checks on a real model's heads (ropestep.realchecks; docs/math.md sections 1, 3 and 5)
+# ---------------------------------------------------------------------------------------------
+def rotated_projection_abs(dtype: torch.dtype, abs_terms, n_terms: int):
+    """Elementwise bound of ``|q~_model - q~|``: a projection ``q = x W^T + b`` that a model
+    computes in ``dtype`` and rotates with its RoPE tables (``q cos + rotate_half(q) sin``),
+    against the same operations in exact arithmetic on the same (``dtype``-rounded) inputs and
+    table values::
+
+        (HM_LAMBDA sqrt(n_terms) u_acc + 4 u_store) * abs_terms
+
+    ``abs_terms`` is ``A_c + A_c'`` with ``A = |x| |W|^T + |b|`` and ``c'`` the coordinate
+    rotated together with ``c``; ``u_acc`` the unit roundoff of the accumulation
+    (:func:`unit_roundoff`: float32 for bf16/fp16 storage), ``u_store`` that of the storage dtype
+    (bf16 ``2^-8``, fp16 ``2^-11``, else ``u_acc``).
+
+    Derivation: each projected entry is a dot product of ``n_terms`` (``m``, plus one for a
+    fused bias) terms, within ``HM_LAMBDA sqrt(n_terms) u_acc A`` of its exact value by the
+    probabilistic bound of Higham & Mary (see ``HM_LAMBDA``), then stored (``u_store |q| <=
+    u_store A``).  The rotated entry ``q_c cos - q_c' sin`` inherits both entries' errors (``|cos|,
+    |sin| <= 1``) and adds two rounded products and a rounded sum, ``3 u_store (|q_c| + |q_c'|)``:
+    in all ``(HM_LAMBDA sqrt(n) u_acc + u_store + 3 u_store) (A_c + A_c')``.  A value (not
+    rotated) is covered by the same bound with ``abs_terms = A_c``.
+    """
+    u_acc = unit_roundoff(dtype)
+    u_store = {torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11}.get(dtype, u_acc)
+    return (HM_LAMBDA * float(np.sqrt(n_terms)) * u_acc + 4.0 * u_store) * abs_terms
+
+
+SLACK_ROTATED_PROJECTION_ABS = 25.0
+"""Measured looseness of :func:`rotated_projection_abs` on its power cases: float32 projections
+of non-negative inputs by non-negative weights (no cancellation: the partial sums are as large
+as they can be, as for ``HM_LAMBDA``) with 2 and 4 terms (a bias included), rotated by float32
+tables of angles up to 511: worst 0.097.  On real layers (signed weights, m ~ 600-900) the ratio
+is ~1e-3 (tiny Qwen2 layer 1, SmolLM2 layer 29): there the bound is a worst case, which a wrong
+pairing or GQA map (O(1) relative) still exceeds by three orders or more."""
+
+
+def position_eval_abs(n_keys: int, head_dim: int, hidden: int, scale, position, slope):
+    """``|a - b|`` of two float64 evaluations of one RoPE head's position-dependent quantity
+    (its output, or its derivative in a position) at positions ``<= position``::
+
+        agreement_rel_tol(float64, N, d, m) * scale + 12 u position * slope
+
+    ``scale`` is the size of the quantity (the value scale ``max|v|`` for an output) and
+    ``slope`` bounds the quantity's sensitivity to a shift of the positions (for an output
+    ``y_i``: ``R D1``, ``R`` the values' range and ``D1`` the range of ``ds_ij/dp``).
+
+    Derivation: the sums are those of :func:`agreement_rel_tol` (``m``-term projections,
+    ``d``-term scores, the softmax and the ``N``-term value sum; both sides' errors inside its
+    margin).  In addition, each side evaluates the angles ``p omega_l``: ``omega_l`` within
+    ``2u`` relative (a power, on one side followed by a reciprocal) and the product adds ``u``,
+    so each rotation is that of a position off by at most ``3 u p`` -- for the query and for
+    every key independently, so every score offset ``p_j - p_i`` by at most ``6 u p``, which
+    moves a softmax output by at most ``6 u p`` times its slope (``|sum_j w_j (delta s_j - bar)
+    v_j| <= R max_j |delta s_j - bar| <= 2 R max_j |delta s_j|``, and ``|delta s_j| <= 6 u p
+    D1 / 2``): ``6 u p slope`` per side, ``12 u p slope`` for two.  The cos/sin evaluations themselves (an ulp each) are
+    score roundings already counted by :func:`agreement_rel_tol`.
+    """
+    return (agreement_rel_tol(torch.float64, n_keys, head_dim, hidden) * np.asarray(scale)
+            + 12.0 * unit_roundoff(torch.float64) * float(position) * np.asarray(slope))
+
+
+SLACK_POSITION_EVAL_ABS = 100.0
+"""Measured looseness of :func:`position_eval_abs` on its power cases: a two-key float64 head
+evaluated with every position offset by 2^32 and by 3 2^31 + 12345 (equal exact outputs), the
+query and key energy on one pair (omega = 0.1), 200 seeds: worst 0.017.  Not within 10x: the
+slope bound ``R D1`` takes every score derivative at its phase-free maximum and the response of
+the softmax at ``2 max|delta s|`` (it is at most ``max|delta s| / 2`` with two keys), and every
+angle rounding at its worst."""
+
+
+def central_difference_abs(h: float, third_abs, eval_abs):
+    """``h^2/6 * third_abs + eval_abs / h``: the central difference ``(f(p + h) - f(p - h)) / 2h``
+    of evaluations each within ``eval_abs`` of ``f``, against ``f'(p)``, where ``|f'''| <=
+    third_abs`` on ``[p - h, p + h]``.
+
+    Derivation: Taylor with the Lagrange remainder, ``f(p +- h) = f +- h f' + h^2/2 f'' +- h^3/6
+    f'''(xi_+-)``, so the exact quotient misses ``f'`` by ``h^2/12 |f'''(xi_+) + f'''(xi_-)| <=
+    h^2/6 third_abs``; the two evaluation errors add to at most ``2 eval_abs``, divided by ``2h``.
+    ``h`` a power of two keeps ``p +- h`` and ``2h`` exact (no error in the step).
+    """
+    h = float(h)
+    return h * h / 6.0 * np.asarray(third_abs) + np.asarray(eval_abs) / h
+
+
+SLACK_CENTRAL_DIFFERENCE_ABS = 2.0
+"""Measured looseness of :func:`central_difference_abs`: ``sin`` at 0.3 with ``h = 2^-5`` and
+``third_abs = 1`` (where ``|sin'''| = cos`` is nearly 1): ratio ~0.95."""
+
+
+def rank_threshold(shape: tuple, sigma_max: float, inner: int, norm_product: float,
+                   dtype: torch.dtype = torch.float64) -> float:
+    """Singular values of a product ``B C`` (``inner`` = the shared dimension) formed and
+    decomposed in ``dtype`` that lie at or below ``max(shape) eps sigma_max + inner u ||B||_F ||C||_F``
+    (``eps = 2u``) are rounding: the numerical rank counts those above.
+
+    The first term is numpy's ``matrix_rank`` default (the SVD's backward error, Golub & Van
+    Loan); the second bounds the 2-norm of the product's own rounding, ``|fl(BC) - BC| <=
+    gamma_inner |B| |C|`` entrywise, by Weyl's inequality.  A threshold separating a rank that
+    holds exactly from rounding, not an error tolerance.
+    """
+    u = unit_roundoff(dtype)
+    return float(max(shape) * 2.0 * u * float(sigma_max) + int(inner) * u * float(norm_product))

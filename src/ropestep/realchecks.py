@@ -1,0 +1,1051 @@
+"""Checks of the identity's conventions and claims on a real model's heads.
+
+Every function takes what a capture of a pretrained model provides -- the loaded Hugging Face
+model (Llama/Qwen2 family, :mod:`ropestep.models`), a layer index, the layer's head input ``x``
+(the ``input_layernorm`` output), positions and, where useful, the per-head attention outputs the
+model computed -- and returns a JSON-ready dict: the measured value(s), the tolerance, where the
+tolerance comes from (``tolerance_from``: a function of :mod:`ropestep.tolerances` and the
+quantities it was given) and ``ok``.  A NaN or inf anywhere is a failure (``ok`` False): every
+reduction goes through :func:`ropestep.verdict.worst` / :func:`~ropestep.verdict.least` and every
+pass predicate through :func:`~ropestep.verdict.within`.
+
+* :func:`conventions` -- the model's own ``q_proj``/``k_proj``/``v_proj``, its
+  ``apply_rotary_pos_emb`` with its own ``rotary_emb`` tables and its ``repeat_kv``, against what
+  ropestep builds from the head description (docs/math.md section 1).  Independent of
+  :mod:`ropestep.spec`'s conventions, so a wrong pairing or GQA map that the exact and the fast
+  layers would share is caught here.
+* :func:`sample_rows`, :func:`exact_reference`, :func:`exact_rows` -- a seeded sample of
+  (head, query) rows evaluated with the mpmath oracle (:mod:`ropestep.exact`, 50 digits) on the
+  captured inputs and weights, against the float64 fast path (docs/math.md sections 3 and 9).
+* :func:`positive_coefficients`, :func:`delta_m_rank`, :func:`no_global_readout`,
+  :func:`position_derivative`, :func:`position_shift` -- the paper's claims on real heads:
+  ``c_ij > 0`` (section 3), ``rank(Delta M_i W_o) <= d`` (section 3), no global affine readout
+  (section 7), and the positional derivative and exact finite differences through the RoPE
+  generator and ``phi_1(delta A)`` against the model's own attention function (section 5).
+
+Affine heads (score family ``"dot"``: Llama, Qwen2) only; anything else raises ``ValueError``.
+Imports :mod:`ropestep.models` and the layers below it, never the experiments above.
+"""
+from __future__ import annotations
+
+import copy
+import math
+import sys
+from dataclasses import dataclass, replace
+from typing import Any, Sequence
+
+import mpmath as mp
+import numpy as np
+import torch
+
+from . import exact, fast, models, rope
+from . import tolerances as tl
+from .spec import HeadSpec, HeadWeights, RoPESpec, _positions
+from .verdict import finite, least, within, worst
+
+F64 = torch.float64
+U64 = 2.0 ** -53
+
+__all__ = [
+    "conventions", "sample_rows", "ExactReference", "exact_reference", "exact_rows",
+    "positive_coefficients", "delta_m_rank", "no_global_readout", "position_derivative",
+    "position_shift",
+]
+
+
+# ---------------------------------------------------------------------------------------------
+# input validation
+# ---------------------------------------------------------------------------------------------
+def _f64(a: Any, name: str) -> torch.Tensor:
+    """A float tensor (numpy or torch) as float64 on the CPU; rejects non-float and non-finite."""
+    if a is None:
+        raise ValueError(f"{name} is missing")
+    t = a.detach().cpu() if torch.is_tensor(a) else torch.as_tensor(np.asarray(a))
+    if not (t.is_floating_point()):
+        raise ValueError(f"{name} must hold floats, got dtype {t.dtype}")
+    t = t.to(F64)
+    if not bool(torch.isfinite(t).all()):
+        raise ValueError(f"{name} contains NaN or inf")
+    return t
+
+
+def _x(x: Any, m: int | None, name: str = "x") -> torch.Tensor:
+    t = _f64(x, name)
+    if t.ndim != 2 or t.shape[0] < 1:
+        raise ValueError(f"{name} must have shape (tokens, m), got {tuple(t.shape)}")
+    if m is not None and t.shape[1] != m:
+        raise ValueError(f"{name} has width {t.shape[1]}, the layer's input width is {m}")
+    return t
+
+
+def _pos(p: Any, n: int, name: str = "positions", increasing: bool = False) -> torch.Tensor:
+    try:
+        arr = _positions(p, name)
+    except TypeError as err:
+        raise ValueError(str(err)) from None
+    if arr.shape != (n,):
+        raise ValueError(f"{name} must have shape ({n},), got {arr.shape}")
+    if n and int(arr.min()) < 0:
+        raise ValueError(f"{name} must be >= 0, got {int(arr.min())}")
+    if increasing and n > 1 and not bool(np.all(np.diff(arr) > 0)):
+        raise ValueError(f"{name} must be strictly increasing (the model masks by sequence "
+                         "order, so positions must follow it)")
+    return torch.as_tensor(arr)
+
+
+def _affine(spec: HeadSpec) -> None:
+    if not isinstance(spec, HeadSpec):
+        raise ValueError(f"spec must be a HeadSpec, got {type(spec).__name__}")
+    if not spec.affine:
+        raise ValueError(f"score family {spec.family!r} is not affine in u (Delta M does not "
+                         "exist); realchecks cover the 'dot' family (Llama, Qwen2)")
+
+
+def _bank(spec: HeadSpec, weights: HeadWeights, x: Any, positions: Any, x_kv: Any,
+          pos_kv: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """Queries ``x``/``positions`` and keys (``x_kv``/``pos_kv``, default the queries themselves);
+    the permitted sets are causal in positions (``pos_kv <= pos_q``).  Returns float64 tensors."""
+    _affine(spec)
+    if not isinstance(weights, HeadWeights):
+        raise ValueError(f"weights must be HeadWeights, got {type(weights).__name__}")
+    m = weights.check(spec)
+    xq = _x(x, m)
+    pq = _pos(positions, xq.shape[0])
+    if (x_kv is None) != (pos_kv is None):
+        raise ValueError("give both x_kv and pos_kv, or neither")
+    if x_kv is None:
+        xk, pk = xq, pq
+    else:
+        xk = _x(x_kv, m, "x_kv")
+        pk = _pos(pos_kv, xk.shape[0], "pos_kv")
+    mask = pk[None, :] <= pq[:, None]
+    empty = torch.nonzero(~mask.any(1)).flatten()
+    if empty.numel():
+        raise ValueError(f"queries {empty[:8].tolist()} have no key at or before their position")
+    if spec.rope.cos is not None:
+        P = int(np.asarray(spec.rope.cos).shape[0])
+        hi = max(int(pq.max()), int(pk.max()))
+        if hi >= P:
+            raise ValueError(f"positions up to {hi} but the RoPE tables cover [0, {P})")
+    return xq, pq, xk, pk, m
+
+
+def _rows(rows: Any, n_heads: int, n_queries: int) -> list[tuple[int, int]]:
+    try:
+        out = [(int(h), int(i)) for h, i in rows]
+    except (TypeError, ValueError):
+        raise ValueError("rows must be a sequence of (head, query) pairs") from None
+    if not out:
+        raise ValueError("no rows given")
+    for h, i in out:
+        if not (0 <= h < n_heads and 0 <= i < n_queries):
+            raise ValueError(f"row (head {h}, query {i}) out of range: {n_heads} heads, "
+                             f"{n_queries} queries")
+    return list(dict.fromkeys(out))
+
+
+def _model_parts(model: Any, layer: Any) -> tuple[models.ModelInfo, Any, Any]:
+    """``(info, attention module, modeling module)`` after the adapter's convention checks."""
+    try:
+        info = models.describe_model(model)
+    except AttributeError:
+        raise ValueError(f"not a supported Hugging Face causal LM: {type(model).__name__}") \
+            from None
+    if info.family != "dot":
+        raise ValueError(f"{info.name}: score family {info.family!r} is not affine in u; "
+                         "realchecks cover the 'dot' family (Llama, Qwen2)")
+    if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)):
+        raise ValueError(f"layer must be an int, got {type(layer).__name__}")
+    if not 0 <= int(layer) < info.n_layers:
+        raise ValueError(f"{info.name}: layer {layer} out of range 0..{info.n_layers - 1}")
+    base = getattr(model, "model", model)
+    attn = base.layers[int(layer)].self_attn
+    return info, attn, sys.modules[type(attn).__module__]
+
+
+def _head(model: Any, layer: int, n_positions: int, head: Any) -> tuple[HeadSpec, HeadWeights]:
+    if head is None:
+        return models.layer_head(model, layer, n_positions)
+    spec, weights = head
+    _affine(spec)
+    if spec.rope.cos is not None and int(np.asarray(spec.rope.cos).shape[0]) < n_positions:
+        raise ValueError(f"the given head's RoPE tables cover {np.asarray(spec.rope.cos).shape[0]} "
+                         f"positions, {n_positions} are needed")
+    return spec, weights
+
+
+def _device_dtype(model: Any) -> tuple[Any, torch.dtype]:
+    p = next(model.parameters())
+    return p.device, p.dtype
+
+
+# ---------------------------------------------------------------------------------------------
+# 1. conventions: the model's own projections, RoPE and GQA against ropestep's
+# ---------------------------------------------------------------------------------------------
+def conventions(model: Any, layer: int, x: Any, positions: Any, *,
+                head: tuple[HeadSpec, HeadWeights] | None = None) -> dict:
+    """Rotated queries, rotated keys and values per query head: the model's way against ropestep's
+    (docs/math.md section 1).
+
+    Model side, in the model's dtype on its device, nothing from :mod:`ropestep.spec` or
+    :mod:`ropestep.rope`: the layer's own ``q_proj``/``k_proj``/``v_proj`` modules, its rotary
+    module's tables (``model.model.rotary_emb(x, positions)``), the modeling module's
+    ``apply_rotary_pos_emb`` and ``repeat_kv`` (taken from ``sys.modules`` of the attention
+    class).  Ropestep side, float64, from the head description (``head``, default
+    :func:`ropestep.models.layer_head`): two routes, both must agree --
+
+    * ``"spec"``: ``x @ w_q + b_q`` rotated by :func:`ropestep.rope.apply_rope` with
+      :func:`ropestep.rope.rope_cos_sin` and ``spec.rope.layout``; keys and values of query head
+      ``h`` taken from KV head ``spec.kv_head(h)`` (the map :mod:`ropestep.exact` uses);
+    * ``"fast.project"``: :func:`ropestep.fast.project`'s rotated queries (divided by the score
+      scale), keys and values per query head (the GQA map and rotation the fast layer uses).
+
+    Per query head, ``q_rel``/``k_rel``/``v_rel`` are the normwise relative differences
+    ``max|model - ropestep| / max|model|`` (worst route).  Tolerance ``q_tol`` etc.: the
+    elementwise bound :func:`ropestep.tolerances.rotated_projection_abs` of the model's
+    ``dtype`` computation plus that of ropestep's float64 one, each with ``A = |x| |W|^T + |b|``
+    summed over the rotation pair (the pair the *model* rotates together: ``|rotate_half(A)|``
+    is the partner's) and mapped to query heads by the model's ``repeat_kv``, reduced as
+    ``max(bound) / max|model|``.  Both sides read the same ``dtype``-rounded ``x`` and the same
+    RoPE table values (:func:`ropestep.models.layer_head` takes the model's own tables).  The
+    score scale ``spec.score_scale(h)`` is compared with the module's ``scaling`` (relative,
+    ``FLOAT64_ULPS_REL``).  A wrong pairing moves a rotated vector by O(1) at every position but
+    0, a wrong GQA map by O(1) on the heads it misroutes.
+    """
+    info, attn, mod = _model_parts(model, layer)
+    xt = _x(x, info.hidden)
+    n = xt.shape[0]
+    pos = _pos(positions, n)
+    spec, weights = _head(model, int(layer), int(pos.max()) + 1, head)
+    H, Hk, d, r = spec.n_heads, spec.n_kv_heads, spec.head_dim, spec.r
+    if (H, Hk, d) != (info.n_heads, info.n_kv_heads, info.head_dim):
+        raise ValueError(f"head description has (H, H_kv, d) = {(H, Hk, d)}, the model "
+                         f"{(info.n_heads, info.n_kv_heads, info.head_dim)}")
+    dev, mdt = _device_dtype(model)
+    xm = xt.to(dev, mdt)  # what the model reads; ropestep reads the same rounded values
+    x64 = xm.to("cpu", F64)
+    group = int(attn.num_key_value_groups)
+
+    # -- model side --
+    with torch.no_grad():
+        def heads_of(lin: Any, nh: int) -> torch.Tensor:  # (1, nh, n, d) as the attention does
+            return lin(xm[None]).view(1, n, nh, d).transpose(1, 2)
+
+        qm, km, vm = heads_of(attn.q_proj, H), heads_of(attn.k_proj, Hk), heads_of(attn.v_proj, Hk)
+        cos, sin = getattr(model, "model", model).rotary_emb(xm[None], pos.to(dev)[None])
+        qm, km = mod.apply_rotary_pos_emb(qm, km, cos, sin)
+        km, vm = mod.repeat_kv(km, group), mod.repeat_kv(vm, group)
+        q_mod, k_mod, v_mod = (t[0].to("cpu", F64) for t in (qm, km, vm))  # (H, n, d)
+
+        # elementwise bounds A = |x| |W|^T + |b| (float64), summed over the model's rotation pair
+        def abs_terms(lin: Any, nh: int) -> torch.Tensor:
+            w = lin.weight.detach().to("cpu", F64).abs()
+            a = x64.abs() @ w.T
+            if lin.bias is not None:
+                a = a + lin.bias.detach().to("cpu", F64).abs()
+            return a.view(1, n, nh, d).transpose(1, 2)
+
+        Aq, Ak = abs_terms(attn.q_proj, H), abs_terms(attn.k_proj, Hk)
+        Av = abs_terms(attn.v_proj, Hk)
+        # the partner of every coordinate in the model's own pairing: |rotate_half(A)|
+        Aq, Ak = Aq + mod.rotate_half(Aq).abs(), Ak + mod.rotate_half(Ak).abs()
+        Ak, Av = mod.repeat_kv(Ak, group)[0], mod.repeat_kv(Av, group)[0]
+        Aq = Aq[0]
+
+    def terms(lin: Any) -> int:  # dot-product length, a fused bias included
+        return info.hidden + (lin.bias is not None)
+
+    kterms = terms(attn.q_proj)
+    bound = {name: (tl.rotated_projection_abs(mdt, a, terms(lin))
+                    + tl.rotated_projection_abs(F64, a, terms(lin)))
+             for name, a, lin in (("q", Aq, attn.q_proj), ("k", Ak, attn.k_proj),
+                                  ("v", Av, attn.v_proj))}
+    # values are not rotated: their A is not paired, and the bound's rotation roundings
+    # (3 of its 4 u_store) are then margin
+
+    # -- ropestep side, route "spec" --
+    wq, wk, wv = (torch.as_tensor(getattr(weights, k)).to("cpu", F64)
+                  for k in ("w_q", "w_k", "w_v"))
+
+    def bias(b: Any, nh: int, dim: int) -> torch.Tensor:
+        return torch.zeros(nh, dim, dtype=F64) if b is None else torch.as_tensor(b).to("cpu", F64)
+
+    q0 = torch.einsum("nm,mhd->hnd", x64, wq) + bias(weights.b_q, H, d)[:, None]
+    k0 = torch.einsum("nm,mhd->hnd", x64, wk) + bias(weights.b_k, Hk, d)[:, None]
+    v0 = torch.einsum("nm,mhd->hnd", x64, wv) + bias(weights.b_v, Hk, r)[:, None]
+    cs, sn = rope.rope_cos_sin(spec, pos, F64)  # (H or 1, n, d/2)
+    qs = rope.apply_rope(q0, cs, sn, spec.rope.layout)
+    kv_map = [spec.kv_head(h) for h in range(H)]
+    for h, g in enumerate(kv_map):
+        if not 0 <= g < Hk:
+            raise ValueError(f"spec.kv_head({h}) = {g} is not a KV head (0..{Hk - 1})")
+    hb = [min(h, cs.shape[0] - 1) for h in range(H)]  # the table row of head h's base
+    ks = torch.stack([rope.apply_rope(k0[g], cs[hb[h]], sn[hb[h]], spec.rope.layout)
+                      for h, g in enumerate(kv_map)])
+    vs = torch.stack([v0[g] for g in kv_map])
+
+    # -- ropestep side, route "fast.project" --
+    P = fast.project(spec, weights, x64, pos, x64, pos, dtype=F64)
+    qf = P.q / P.scale[:, None, None]
+
+    def rel(a: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:  # per head, normwise
+        den = ref.abs().flatten(1).max(1).values.clamp_min(tl.SCALE_GUARD)
+        return (a - ref).abs().flatten(1).max(1).values / den
+
+    def tol(b: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+        den = ref.abs().flatten(1).max(1).values.clamp_min(tl.SCALE_GUARD)
+        return b.flatten(1).max(1).values / den
+
+    routes = {"spec": (qs, ks, vs), "fast.project": (qf, P.k, P.v)}
+    refs = {"q": q_mod, "k": k_mod, "v": v_mod}
+    tols = {nm: tol(bound[nm], refs[nm]) for nm in refs}
+    rels = {rt: {nm: rel(t, refs[nm]) for nm, t in zip(("q", "k", "v"), ts)}
+            for rt, ts in routes.items()}
+    heads = []
+    for h in range(H):
+        row: dict = {"head": h, "kv_head_spec": kv_map[h]}
+        ok = True
+        for nm in ("q", "k", "v"):
+            vals = [float(rels[rt][nm][h]) for rt in routes]
+            row[f"{nm}_rel"] = worst(vals)
+            row[f"{nm}_tol"] = float(tols[nm][h])
+            ok = ok and within(vals, row[f"{nm}_tol"])
+        row["ok"] = ok
+        heads.append(row)
+    route_sum = {rt: {**{f"{nm}_rel_max": worst(rels[rt][nm]) for nm in refs},
+                      "ok": all(within(rels[rt][nm][h], float(tols[nm][h]))
+                                for nm in refs for h in range(H))} for rt in routes}
+    sc_spec = [float(spec.score_scale(h)) for h in range(H)]
+    sc_rel = worst([abs(s - float(attn.scaling)) / float(attn.scaling) for s in sc_spec])
+    scale = {"model": float(attn.scaling), "spec": sc_spec, "rel": sc_rel,
+             "tolerance": tl.FLOAT64_ULPS_REL, "ok": within(sc_rel, tl.FLOAT64_ULPS_REL)}
+    ok = all(r_["ok"] for r_ in heads) and scale["ok"]
+    return {
+        "check": "conventions", "layer": int(layer), "model_dtype": str(mdt).replace("torch.", ""),
+        "tokens": n, "positions": [int(pos.min()), int(pos.max())],
+        "layout": spec.rope.layout,
+        "q_rel_max": worst(r_["q_rel"] for r_ in heads),
+        "k_rel_max": worst(r_["k_rel"] for r_ in heads),
+        "v_rel_max": worst(r_["v_rel"] for r_ in heads),
+        "tolerance_max": worst(r_[f"{nm}_tol"] for r_ in heads for nm in ("q", "k", "v")),
+        "tolerance_from": (f"tolerances.rotated_projection_abs({str(mdt).replace('torch.', '')}) "
+                           f"+ (float64) with n_terms={kterms}, A = |x||W|^T + |b| summed over "
+                           "the model's rotation pair, mapped by the model's repeat_kv; "
+                           "max(bound)/max|model| per head"),
+        "heads": heads, "routes": route_sum, "scale": scale, "ok": ok,
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# 2. exact rows
+# ---------------------------------------------------------------------------------------------
+def sample_rows(n_heads: int, queries: int | Sequence[int], k: int, seed: int
+                ) -> list[tuple[int, int]]:
+    """``k`` distinct ``(head, query)`` rows drawn uniformly without replacement from
+    ``range(n_heads) x queries`` (``queries`` an int ``Q`` for ``range(Q)``, or the eligible query
+    indices) with ``numpy.random.default_rng(seed)``; sorted.  ``k`` larger than the grid takes
+    every row."""
+    if isinstance(n_heads, bool) or not isinstance(n_heads, (int, np.integer)) or n_heads < 1:
+        raise ValueError(f"n_heads must be a positive int, got {n_heads!r}")
+    qs = (list(range(queries)) if isinstance(queries, (int, np.integer))
+          else [int(q) for q in queries])
+    if not qs or min(qs) < 0:
+        raise ValueError("no eligible queries (or a negative query index)")
+    if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 1:
+        raise ValueError(f"k must be a positive int, got {k!r}")
+    grid = [(h, q) for h in range(int(n_heads)) for q in sorted(set(qs))]
+    rng = np.random.default_rng(seed)
+    pick = rng.choice(len(grid), size=min(int(k), len(grid)), replace=False)
+    return sorted(grid[int(t)] for t in pick)
+
+
+@dataclass
+class ExactReference:
+    """The oracle's values for a set of rows (:func:`exact_reference`), float64 where rounded.
+
+    Per row ``(h, i)``: ``y`` (r,), ``delta_m`` ((m+1, r), original gauge), ``dm_scale`` ((m+1, r):
+    ``sum_j |c_ij a_ijp| (|v_jq - mu_iq| + |v_jq|)``), ``c`` (N_i,) over the permitted keys in
+    bank order, ``keys`` (their indices in the bank), ``value_scale`` (``max_j |v_j|_inf``),
+    ``kappa`` (the readout's condition number, :func:`ropestep.exact.kappa`), ``score_max``
+    (``max_j |s_ij|``).  Exact values are rounded to float64 once (relative ``2^-53``).
+    """
+
+    rows: list
+    digits: int
+    y: dict
+    delta_m: dict
+    dm_scale: dict
+    c: dict
+    keys: dict
+    value_scale: dict
+    kappa: dict
+    score_max: dict
+    seconds: float
+
+
+def _one_head(spec: HeadSpec, weights: HeadWeights, h: int) -> tuple[HeadSpec, HeadWeights]:
+    """Query head ``h`` alone, with its KV head ``spec.kv_head(h)`` (GQA resolved here)."""
+    g = spec.kv_head(h)
+    base = spec.rope.bases(spec.n_heads)[h]
+    rs = RoPESpec(base=base, layout=spec.rope.layout, cos=spec.rope.cos, sin=spec.rope.sin)
+    s1 = HeadSpec(n_heads=1, n_kv_heads=1, head_dim=spec.head_dim, v_dim=spec.v_dim, rope=rs,
+                  family=spec.family, scale=spec.score_scale(h), softcap=spec.softcap,
+                  alibi_slopes=None if spec.alibi_slopes is None else (spec.alibi_slopes[h],),
+                  norm_eps=spec.norm_eps)
+
+    def sl(a: Any, i: int, axis: int) -> Any:
+        if a is None:
+            return None
+        t = torch.as_tensor(a) if not isinstance(a, np.ndarray) else torch.from_numpy(a)
+        return t.narrow(axis, i, 1).to("cpu", F64)
+
+    w1 = HeadWeights(w_q=sl(weights.w_q, h, 1), w_k=sl(weights.w_k, g, 1),
+                     w_v=sl(weights.w_v, g, 1), b_q=sl(weights.b_q, h, 0),
+                     b_k=sl(weights.b_k, g, 0), b_v=sl(weights.b_v, g, 0))
+    return s1, w1
+
+
+def exact_reference(spec: HeadSpec, weights: HeadWeights, x: Any, positions: Any,
+                    rows: Sequence[tuple[int, int]], digits: int = 50, *, x_kv: Any = None,
+                    pos_kv: Any = None) -> ExactReference:
+    """The mpmath oracle (:func:`ropestep.exact.build` at ``digits`` digits plus its guard
+    digits) on each row ``(head, query)``: query ``x[query]`` at ``positions[query]`` reading the
+    keys ``x_kv`` (default ``x``) at or before its position (docs/math.md sections 1 and 3).
+
+    Each row runs on a one-head description (query head ``h`` with KV head ``spec.kv_head(h)``)
+    and only its permitted keys: the inputs and weights are converted to mpf exactly, so the
+    values are the exact function of the captured float numbers to ``digits`` digits.  Cost:
+    about ``4 N_i d (m + 1)`` mpf products per row (seconds per row at ``N_i ~ 16``, ``m ~ 900``).
+    """
+    import time
+
+    t0 = time.perf_counter()
+    xq, pq, xk, pk, m = _bank(spec, weights, x, positions, x_kv, pos_kv)
+    if isinstance(digits, bool) or not isinstance(digits, (int, np.integer)) or digits < 16:
+        raise ValueError(f"digits must be an int >= 16, got {digits!r}")
+    rows = _rows(rows, spec.n_heads, xq.shape[0])
+    ref = ExactReference(rows=rows, digits=int(digits), y={}, delta_m={}, dm_scale={}, c={},
+                         keys={}, value_scale={}, kappa={}, score_max={}, seconds=0.0)
+    for h, i in rows:
+        s1, w1 = _one_head(spec, weights, h)
+        keys = torch.nonzero(pk <= pq[i]).flatten()
+        E = exact.build(s1, w1, xq[i:i + 1].numpy(), pq[i:i + 1].numpy(), xk[keys].numpy(),
+                        pk[keys].numpy(), np.ones((1, keys.numel()), bool), dps=int(digits))
+        with mp.workprec(E.prec):
+            c, _ = exact.coefficients(E, 0, 0, "original")
+            M = exact.delta_m(E, 0, 0, "original")
+            kap = exact.kappa(E, 0, 0, "original")
+            smax = max(abs(E.s[0, 0, j]) for j in range(keys.numel()))
+        cf = np.array([float(c[j]) for j in range(keys.numel())])
+        feats = exact.to_float(np.stack([np.asarray(E.feats[0, 0, j], dtype=object)
+                                         for j in range(keys.numel())]))  # (N_i, m+1)
+        v = exact.to_float(np.stack([np.asarray(E.v[0, j], dtype=object)
+                                     for j in range(keys.numel())]))  # (N_i, r)
+        mu = exact.to_float(np.asarray(E.mu[0, 0], dtype=object))
+        # sum-of-absolute-terms scale of every entry: sum_j |c_j a_jp| (|v_jq - mu_q| + |v_jq|)
+        scale = (np.abs(cf)[:, None] * np.abs(feats)).T @ (np.abs(v - mu) + np.abs(v))
+        ref.y[h, i] = exact.to_float(np.asarray(E.y[0, 0], dtype=object))
+        ref.delta_m[h, i] = exact.to_float(np.array(M.tolist(), dtype=object))
+        ref.dm_scale[h, i] = scale
+        ref.c[h, i] = cf
+        ref.keys[h, i] = keys.numpy()
+        ref.value_scale[h, i] = float(np.abs(v).max())
+        ref.kappa[h, i] = float(kap)
+        ref.score_max[h, i] = float(smax)
+    ref.seconds = time.perf_counter() - t0
+    return ref
+
+
+def exact_rows(spec: HeadSpec, weights: HeadWeights, x: Any, positions: Any,
+               rows: Sequence[tuple[int, int]], digits: int = 50, *, x_kv: Any = None,
+               pos_kv: Any = None, reference: ExactReference | None = None) -> dict:
+    """The float64 fast path (:func:`ropestep.fast.step`, original gauge, materialised
+    ``Delta M``) against the mpmath oracle on the given rows (docs/math.md sections 3 and 9).
+
+    Per row ``(head, query)``, with ``S = max_j |v_j|_inf`` the value scale of its keys:
+
+    * ``y_rel = max|y_fast - y_exact| / S``;
+    * ``delta_m_rel = max_pq |dM_fast - dM_exact| / max_pq S_pq`` with the sum-of-absolute-terms
+      scale ``S_pq = sum_j |c_ij a_ijp| (|v_jq - mu_iq| + |v_jq|)`` (a matrix whose terms
+      cancel has no relative accuracy to keep; the centred value ``v - mu`` is itself rounded at
+      ``ulp(|v|)``, hence the ``+ |v_jq|``) -- the scale of :func:`ropestep.exact.delta_m_abs`;
+      ``delta_m_rel_entrywise`` divides entry by entry instead (reported, not judged: the fast
+      path forms ``dM = L T`` in query space, whose rounding scale can exceed an entry's own);
+    * ``c_rel = max_j |c_fast - c_exact| / c_exact`` (every coefficient is positive);
+    * ``readout_rel = max|mu + q T + b - y_exact| / S`` (the identity through the fast readout).
+
+    Tolerance of the first three: ``tolerances.FLOAT64_REL`` (1e-12; the acceptance bar: the
+    first-order count ``(N + d + m + 8 + max|s|) u`` is reported as ``first_order``); of the
+    readout: ``max(FLOAT64_REL, tolerances.readout_bound(float64, kappa_exact, N, d, max|s|))``.
+    ``reference`` reuses an :func:`exact_reference` of the same rows (it is checked to match).
+    """
+    xq, pq, xk, pk, m = _bank(spec, weights, x, positions, x_kv, pos_kv)
+    rws = _rows(rows, spec.n_heads, xq.shape[0])
+    if reference is None:
+        reference = exact_reference(spec, weights, xq, pq, rws, digits, x_kv=xk, pos_kv=pk)
+    elif [tuple(r_) for r_ in reference.rows] != rws:
+        raise ValueError(f"reference holds rows {reference.rows[:4]}..., not the requested rows")
+    qidx = sorted({i for _, i in rws})
+    col = {i: n for n, i in enumerate(qidx)}
+    st = fast.step(spec, weights, xq[qidx], pq[qidx], xk, pk, mask="causal", gauge="original",
+                   dtype=F64, delta_m=True)
+    d = spec.head_dim
+    out_rows = []
+    for h, i in rws:
+        q = col[i]
+        keys = reference.keys[h, i]
+        S = max(reference.value_scale[h, i], tl.SCALE_GUARD)
+        y_rel = float(np.abs(st.y[h, q].numpy() - reference.y[h, i]).max() / S)
+        dm_err = np.abs(st.delta_m[h, q].numpy() - reference.delta_m[h, i])
+        sc = reference.dm_scale[h, i]
+        dm_rel = float(dm_err.max() / max(float(sc.max()), tl.SCALE_GUARD))
+        dm_rel_ent = float((dm_err / np.maximum(sc, tl.SCALE_GUARD)).max())
+        cf = st.c[h, q].numpy()[keys]
+        ce = reference.c[h, i]
+        c_rel = float((np.abs(cf - ce) / np.maximum(np.abs(ce), tl.SCALE_GUARD)).max())
+        ro_rel = float(np.abs(st.readout[h, q].numpy() - reference.y[h, i]).max() / S)
+        N = int(keys.size)
+        smax = reference.score_max[h, i]
+        ro_tol = max(tl.FLOAT64_REL, float(tl.readout_bound(F64, reference.kappa[h, i], N, d,
+                                                             smax)))
+        first = (N + d + m + 8 + smax) * U64
+        ok = (within(y_rel, tl.FLOAT64_REL) and within(dm_rel, tl.FLOAT64_REL)
+              and within(c_rel, tl.FLOAT64_REL) and within(ro_rel, ro_tol))
+        out_rows.append({"head": h, "query": i, "position": int(pq[i]), "keys": N,
+                         "y_rel": y_rel, "delta_m_rel": dm_rel,
+                         "delta_m_rel_entrywise": dm_rel_ent, "c_rel": c_rel,
+                         "readout_rel": ro_rel, "readout_tol": ro_tol,
+                         "kappa": reference.kappa[h, i], "score_max": smax,
+                         "c_min_exact": float(ce.min()), "first_order": first, "ok": ok})
+    ok = all(r_["ok"] for r_ in out_rows)
+    return {
+        "check": "exact_rows", "digits": reference.digits, "rows": out_rows,
+        "y_rel_max": worst(r_["y_rel"] for r_ in out_rows),
+        "delta_m_rel_max": worst(r_["delta_m_rel"] for r_ in out_rows),
+        "c_rel_max": worst(r_["c_rel"] for r_ in out_rows),
+        "readout_rel_max": worst(r_["readout_rel"] for r_ in out_rows),
+        "tolerance": tl.FLOAT64_REL,
+        "tolerance_from": ("tolerances.FLOAT64_REL for y (vs the value scale), Delta M (vs its "
+                           "sum-of-absolute-terms scale) and c (relative); the readout against "
+                           "tolerances.readout_bound(float64, kappa_exact, N, d, max|s|)"),
+        "exact_seconds": reference.seconds, "ok": ok,
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# 3a. c_ij > 0
+# ---------------------------------------------------------------------------------------------
+def positive_coefficients(spec: HeadSpec, weights: HeadWeights, x: Any, positions: Any, *,
+                          x_kv: Any = None, pos_kv: Any = None,
+                          reference: ExactReference | None = None) -> dict:
+    """``min c_ij > 0`` over every head, query and permitted key (docs/math.md section 3:
+    ``c_ij = rho(s_ij)/Z_i`` and ``rho > 0``, section 2), from the float64 fast path in the
+    original gauge; with ``reference`` also the oracle's minimum on its rows.
+
+    A float64 coefficient is within ``FLOAT64_REL`` (relative) of the exact one (checked on
+    sampled rows by :func:`exact_rows`), so a computed ``c > 0`` certifies the exact ``c > 0``;
+    the claim fails on a zero, a negative, a NaN or an inf.
+    """
+    xq, pq, xk, pk, _ = _bank(spec, weights, x, positions, x_kv, pos_kv)
+    st = fast.step(spec, weights, xq, pq, xk, pk, mask="causal", gauge="original", dtype=F64,
+                   keep=("c",))
+    c = torch.where(st.mask[None], st.c, torch.full_like(st.c, math.inf))
+    cmin = least(c)
+    flat = int(torch.argmin(torch.nan_to_num(c, nan=-math.inf)))
+    H, Q, N = c.shape
+    where = {"head": flat // (Q * N), "query": (flat // N) % Q, "key": flat % N}
+    per_head = [least(c[h]) for h in range(H)]
+    out = {"check": "positive_coefficients", "gauge": "original", "min_c": cmin, "argmin": where,
+           "per_head_min": per_head, "coefficients": int(st.mask.sum()) * H,
+           "tolerance": 0.0,
+           "tolerance_from": ("strict: c > 0; float64 c is within FLOAT64_REL relative of the "
+                              "exact value, so its sign is the exact sign"),
+           "ok": bool(finite(cmin) and cmin > 0)}
+    if reference is not None:
+        ex = least([reference.c[r_].min() for r_ in reference.rows])
+        out["exact"] = {"rows": len(reference.rows), "min_c": ex,
+                        "ok": bool(finite(ex) and ex > 0)}
+        out["ok"] = out["ok"] and out["exact"]["ok"]
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# 3b. rank(Delta M_i W_o) <= d
+# ---------------------------------------------------------------------------------------------
+def delta_m_rank(spec: HeadSpec, weights: HeadWeights, x: Any, positions: Any,
+                 rows: Sequence[tuple[int, int]], *, x_kv: Any = None, pos_kv: Any = None) -> dict:
+    """Numerical rank of ``Delta M_i W_o,h`` ((m+1) x hidden) for each row (docs/math.md
+    section 3: ``Delta M_i = L_i T_i`` with ``L_i`` of ``d`` columns, so the rank is at most
+    ``d``).  ``Delta M_i`` from the float64 fast path, ``W_o,h`` the head's slice of ``o_proj``
+    (``weights.w_o``); the product is formed in float64 and its singular values counted above
+    :func:`ropestep.tolerances.rank_threshold` (numpy's ``max(shape) eps sigma_max`` plus the
+    product's rounding ``gamma_r ||Delta M||_F ||W_o||_F``).
+
+    The centred values ``v_j - mu_i`` sum to zero, so they span at most ``N_i - 1`` dimensions:
+    the rank is at most ``bound = min(d, r, N_i - 1)``, and that sharper bound is what is judged
+    (it implies ``<= d``).  Reported per row: ``rank``, ``bound``, ``d``, ``sigma_ratio_after_d``
+    (``sigma_{d+1} / sigma_1``, 0 when the matrix has at most ``d`` singular values) and
+    ``threshold_ratio`` (threshold / ``sigma_1``).  When ``r <= d`` (every Llama/Qwen head:
+    ``r = d``) the claim ``<= d`` also follows from the shapes alone; the check then certifies
+    that the computed product carries no spurious rank, and the ``N_i - 1`` part is not implied
+    by shapes.
+    """
+    xq, pq, xk, pk, m = _bank(spec, weights, x, positions, x_kv, pos_kv)
+    if weights.w_o is None:
+        raise ValueError("delta_m_rank needs weights.w_o (the output projection)")
+    rws = _rows(rows, spec.n_heads, xq.shape[0])
+    qidx = sorted({i for _, i in rws})
+    col = {i: n for n, i in enumerate(qidx)}
+    st = fast.step(spec, weights, xq[qidx], pq[qidx], xk, pk, mask="causal", dtype=F64,
+                   delta_m=True, keep=())
+    wo = torch.as_tensor(weights.w_o).to("cpu", F64)
+    d, r = spec.head_dim, spec.r
+    out_rows = []
+    for h, i in rws:
+        dm = st.delta_m[h, col[i]]
+        prod = dm @ wo[h]
+        sv = torch.linalg.svdvals(prod)
+        smax = float(sv[0]) if sv.numel() else 0.0
+        thr = tl.rank_threshold(tuple(prod.shape), smax, r,
+                                float(torch.linalg.norm(dm) * torch.linalg.norm(wo[h])))
+        rank = int((sv > thr).sum())
+        after = float(sv[d] / sv[0]) if sv.numel() > d and smax > 0 else 0.0
+        n_keys = int((pk <= pq[i]).sum())
+        bound = min(d, r, n_keys - 1)
+        ok = bool(finite(sv) and rank <= bound)
+        out_rows.append({"head": h, "query": i, "keys": n_keys, "rank": rank, "bound": bound,
+                         "d": d,
+                         "sigma_max": smax, "sigma_ratio_after_d": after,
+                         "threshold_ratio": thr / smax if smax > 0 else float(thr), "ok": ok})
+    return {"check": "delta_m_rank", "rows": out_rows,
+            "rank_max": max(r_["rank"] for r_ in out_rows), "d": d,
+            "sigma_ratio_after_d_max": worst(r_["sigma_ratio_after_d"] for r_ in out_rows),
+            "tolerance_from": ("tolerances.rank_threshold: max(shape) eps sigma_max + "
+                               "gamma_r ||dM||_F ||W_o||_F"),
+            "ok": all(r_["ok"] for r_ in out_rows)}
+
+
+# ---------------------------------------------------------------------------------------------
+# 3c. no global affine readout
+# ---------------------------------------------------------------------------------------------
+def no_global_readout(spec: HeadSpec, weights: HeadWeights, x_q: Any, pos_q: Any, x_kv: Any,
+                      pos_kv: Any) -> dict:
+    """No single affine readout ``y(u) = mu + u^T M`` serves the queries of a context
+    (docs/math.md section 7), certified per head and for the projected write.
+
+    The ``Q`` queries share one position and bank (the protocol's setting, so ``mu`` and the
+    features are shared).  With ``Q <= m + 1`` independent inputs the ``Q`` observed outputs
+    alone can always be interpolated by some ``M``; the refutation needs inputs with an affine
+    dependency.  For every pair ``a, b`` the midpoint ``u_c = (u_a + u_b)/2`` (an augmented
+    input: its last entry is 1) gives, for *every* ``M`` with errors ``e_k = y_k - mu - u_k^T M``,
+
+        e_c - (e_a + e_b)/2 = y_c - (y_a + y_b)/2     so     max(|e_a|, |e_b|, |e_c|)
+                                                             >= |y_c - (y_a + y_b)/2|_2 / 2,
+
+    a lower bound on the error of the best common readout over the ``Q`` queries and their
+    midpoints (the three-point system of section 7's proof, ``symbolic.affine_three_point_system``).
+    ``lower_computed`` is the largest such bound over the pairs, from float64 outputs
+    (:func:`ropestep.fast.step`); each output entry is within ``FLOAT64_REL * S`` of the exact one
+    (``S = max_j |v_j|_inf``), which moves the bound by at most ``sqrt(r) FLOAT64_REL S``:
+    ``lower_certified = lower_computed - that``, and the claim holds where it is > 0.  For the
+    write ``o = sum_h y_h W_o,h`` the float64 error is ``sqrt(D) max_c sum_h S_h |W_o,h[:, c]|_1``
+    times ``FLOAT64_REL``, plus the product's rounding.
+
+    ``upper``: the largest error over the same inputs of one actual common readout (the
+    least-squares ``M``, minimum norm), so ``lower_certified <= min_M max_k |e_k| <= upper``.
+    ``hull``: section 7's constructive witness for that ``M`` (its ``x``-part is non-zero): at
+    ``x = t l_1`` (``l_1`` the top left singular vector of ``M_x``) the readout leaves the values'
+    hull by ``certified >= 1``; ``t_over_input_norm`` compares that input's norm with the queries'.
+    """
+    _affine(spec)
+    m = weights.check(spec)
+    xq = _x(x_q, m, "x_q")
+    Q = xq.shape[0]
+    if Q < 2:
+        raise ValueError("no_global_readout needs at least 2 queries")
+    pq = _pos(pos_q, Q, "pos_q")
+    if not bool((pq == pq[0]).all()):
+        raise ValueError("no_global_readout: every query must sit at one position (shared bank)")
+    xk = _x(x_kv, m, "x_kv")
+    pk = _pos(pos_kv, xk.shape[0], "pos_kv")
+    if bool((pk > pq[0]).any()):
+        raise ValueError("no_global_readout: bank keys must not lie after the query position")
+    ia, ib = torch.triu_indices(Q, Q, 1)
+    xm = (xq[ia] + xq[ib]) / 2  # exact in float64 for float32 inputs
+    X = torch.cat((xq, xm))
+    Pn = X.shape[0]
+    st = fast.step(spec, weights, X, torch.full((Pn,), int(pq[0])), xk, pk, mask="bank",
+                   dtype=F64, keep=())
+    y, mu = st.y, st.mu[:, 0]  # (H, P, r), (H, r)
+    v = st.extras["projected"].v  # (H, N, r)
+    H, r = spec.n_heads, spec.r
+    S = v.abs().flatten(1).max(1).values  # (H,)
+    gap = y[:, Q:] - (y[:, ia] + y[:, ib]) / 2  # (H, pairs, r)
+    lower = torch.linalg.vector_norm(gap, dim=-1) / 2  # (H, pairs)
+    best, arg = lower.max(1)
+    err = math.sqrt(r) * tl.FLOAT64_REL * S + 4 * U64 * best
+
+    # one actual common readout: least squares over all P inputs (minimum norm)
+    U = torch.cat((X, torch.ones(Pn, 1, dtype=F64)), 1)
+    Uq = U[:Q]
+    heads = []
+    for h in range(H):
+        Z = torch.linalg.lstsq(_barycentric(Q, ia, ib), y[h] - mu[h], driver="gelsd").solution
+        M = torch.linalg.pinv(Uq) @ Z  # (m+1, r): U_Q M = Z
+        e = y[h] - mu[h] - U @ M
+        upper = worst(torch.linalg.vector_norm(e, dim=-1))
+        hull = _hull_witness(M, v[h], mu[h], xq)
+        cert = float(best[h] - err[h])
+        heads.append({"head": h, "pair": [int(ia[arg[h]]), int(ib[arg[h]])],
+                      "lower_computed": float(best[h]), "float64_error": float(err[h]),
+                      "lower_certified": cert, "upper": upper, "hull": hull,
+                      "ok": bool(finite([best[h], err[h]]) and cert > 0)})
+    comb = None
+    if weights.w_o is not None:
+        wo = torch.as_tensor(weights.w_o).to("cpu", F64)  # (H, r, D)
+        o = torch.einsum("hpr,hrd->pd", y, wo)
+        og = o[Q:] - (o[ia] + o[ib]) / 2
+        lo = torch.linalg.vector_norm(og, dim=-1) / 2
+        ob, oarg = lo.max(0)
+        D = wo.shape[-1]
+        colsum = (S[:, None] * wo.abs().sum(1)).sum(0)  # (D,): sum_h S_h |W_o,h[:, c]|_1
+        prod_round = H * r * U64 * float((torch.einsum("hpr,hrd->pd", y.abs(), wo.abs())).max())
+        oerr = (math.sqrt(D) * (tl.FLOAT64_REL * float(colsum.max()) + 2 * prod_round)
+                + 4 * U64 * float(ob))
+        comb = {"pair": [int(ia[oarg]), int(ib[oarg])], "lower_computed": float(ob),
+                "float64_error": oerr, "lower_certified": float(ob) - oerr,
+                "ok": bool(finite([float(ob), oerr]) and float(ob) - oerr > 0)}
+    ok = all(h_["ok"] for h_ in heads) and (comb is None or comb["ok"])
+    return {"check": "no_global_readout", "queries": Q, "pairs": int(ia.numel()),
+            "inputs": Pn, "heads": heads, "combined": comb,
+            "lower_certified_min": least(h_["lower_certified"] for h_ in heads),
+            "tolerance": 0.0,
+            "tolerance_from": ("certified = computed - sqrt(r) FLOAT64_REL max|v| (the float64 "
+                               "outputs' error); the claim: certified > 0"),
+            "ok": ok}
+
+
+def _barycentric(Q: int, ia: torch.Tensor, ib: torch.Tensor) -> torch.Tensor:
+    """Rows ``e_k`` for the queries, ``(e_a + e_b)/2`` for the midpoints: ``u_k = B_k U_Q``."""
+    B = torch.zeros(Q + ia.numel(), Q, dtype=F64)
+    B[torch.arange(Q), torch.arange(Q)] = 1
+    rows = Q + torch.arange(ia.numel())
+    B[rows, ia] = 0.5
+    B[rows, ib] = 0.5
+    return B
+
+
+def _hull_witness(M: torch.Tensor, v: torch.Tensor, mu: torch.Tensor, xq: torch.Tensor) -> dict:
+    """docs/math.md section 7's witness for a readout ``M`` ((m+1) x r)."""
+    Mx, M0 = M[:-1], M[-1]
+    Uu, sv, _ = torch.linalg.svd(Mx, full_matrices=False)
+    sig = float(sv[0])
+    R = float(torch.linalg.vector_norm(v - mu, dim=-1).max())
+    last = float(torch.linalg.vector_norm(M0))
+    if not sig > 0:
+        return {"x_part_zero": True}
+    t = 1.01 * (last + R + 1.0) / sig
+    grow = float(torch.linalg.vector_norm((t * Uu[:, 0]) @ Mx))
+    return {"x_part_zero": False, "t": t, "certified": grow - last - R,
+            "t_over_input_norm": t / float(torch.linalg.vector_norm(xq, dim=-1).median())}
+
+
+# ---------------------------------------------------------------------------------------------
+# 3d/3e. positional derivative and exact finite differences against the model's own attention
+# ---------------------------------------------------------------------------------------------
+class _Attention64:
+    """The layer's attention as the model computes it, in float64, at any (fractional) positions.
+
+    The model's own ``q_proj``/``k_proj``/``v_proj`` (float64 copies), the modeling module's
+    ``apply_rotary_pos_emb`` and ``repeat_kv``, its ``scaling`` and causal order (by sequence
+    index, as Hugging Face masks); the softmax runs in float64 (the eager kernel's float32
+    softmax would cap the accuracy at ``2^-24``).  Causal order by sequence index is what a
+    whole-model forward with moved position ids does *given an attention mask*: without one (and
+    without a cache) transformers reads non-consecutive ids as packed sequences
+    (``masking_utils.find_packed_sequence_indices``) and the moved token attends to itself
+    alone (tests/models/test_realchecks.py shows both).  RoPE angles ``p * inv_freq`` with the
+    model's definition ``inv_freq_l = 1 / theta^(2l/d)`` evaluated in float64 -- its own float32
+    tables cannot resolve a derivative (their rounding, ~``p u32``, moves a score by ~1e-5); they
+    are used for the anchor (:meth:`heads_with_model_tables`).
+    """
+
+    def __init__(self, model: Any, info: models.ModelInfo, attn: Any, mod: Any, x: torch.Tensor):
+        self.model, self.info, self.mod = model, info, mod
+        self.H, self.Hk, self.d = info.n_heads, info.n_kv_heads, info.head_dim
+        self.group = int(attn.num_key_value_groups)
+        self.scaling = float(attn.scaling)
+        n = x.shape[0]
+        with torch.no_grad():
+            def proj(lin: Any, nh: int) -> torch.Tensor:
+                l64 = copy.deepcopy(lin).to(device="cpu", dtype=F64)
+                return l64(x[None]).view(1, n, nh, self.d).transpose(1, 2)
+
+            self.q, self.k = proj(attn.q_proj, self.H), proj(attn.k_proj, self.Hk)
+            self.v = mod.repeat_kv(proj(attn.v_proj, self.Hk), self.group)
+        self.n = n
+        self.inv_freq = 1.0 / (torch.tensor(float(info.rope_theta), dtype=F64)
+                               ** (torch.arange(0, self.d, 2, dtype=F64) / self.d))
+
+    def _heads(self, cos: torch.Tensor, sin: torch.Tensor, rows: Sequence[int]) -> torch.Tensor:
+        with torch.no_grad():
+            q, k = self.mod.apply_rotary_pos_emb(self.q, self.k, cos[None], sin[None])
+            k = self.mod.repeat_kv(k, self.group)
+            out = []
+            for i in rows:
+                s = (q[0, :, i:i + 1] @ k[0, :, : i + 1].transpose(-1, -2)) * self.scaling
+                w = torch.softmax(s, -1)  # (H, 1, i+1), float64
+                out.append((w @ self.v[0, :, : i + 1])[:, 0])  # (H, r)
+            return torch.stack(out)  # (rows, H, r)
+
+    def heads_at(self, positions: torch.Tensor, rows: Sequence[int]) -> torch.Tensor:
+        """Per-head outputs of ``rows`` with every token at ``positions`` (float64)."""
+        freqs = positions.to(F64)[:, None] * self.inv_freq[None]
+        emb = torch.cat((freqs, freqs), -1)
+        return self._heads(emb.cos(), emb.sin(), rows)
+
+    def heads_with_model_tables(self, positions: torch.Tensor) -> torch.Tensor:
+        dev, dt = _device_dtype(self.model)
+        with torch.no_grad():
+            cos, sin = getattr(self.model, "model", self.model).rotary_emb(
+                torch.zeros(1, 1, self.d, dtype=dt, device=dev), positions.to(dev)[None])
+        return self._heads(cos[0].to("cpu", F64), sin[0].to("cpu", F64), range(self.n))
+
+
+def _anchor(att: _Attention64, pos: torch.Tensor, heads: Any, mdt: torch.dtype) -> dict | None:
+    """The float64 composition with the model's own tables against the captured heads."""
+    if heads is None:
+        return None
+    cap = heads.detach().cpu() if torch.is_tensor(heads) else torch.as_tensor(np.asarray(heads))
+    if not cap.is_floating_point() or tuple(cap.shape) != (att.n, att.H, att.d):
+        raise ValueError(f"heads must be a float array of shape {(att.n, att.H, att.d)}, got "
+                         f"{cap.dtype} {tuple(cap.shape)}")
+    cap = cap.to(F64)  # a NaN/inf the model produced is a failed check, not bad input
+    mine = att.heads_with_model_tables(pos)
+    den = cap.abs().amax((0, 2)).clamp_min(tl.SCALE_GUARD)
+    rel = (mine - cap).abs().amax((0, 2)) / den  # per head
+    if mdt == F64:
+        tol = tl.agreement_rel_tol(F64, att.n, att.d, att.info.hidden)
+        src = "agreement_rel_tol(float64)"
+    elif mdt == torch.float32:
+        tol, src = tl.native_rel_tol(att.n, att.d, att.info.hidden), "native_rel_tol"
+    else:
+        with torch.no_grad():
+            qn = torch.linalg.vector_norm(att.q, dim=-1).max()
+            kn = torch.linalg.vector_norm(att.k, dim=-1).max()
+        tol = tl.native_rel_tol_lowp(mdt, float(qn * kn) * att.scaling)
+        src = "native_rel_tol_lowp"
+    return {"rel_max": worst(rel), "tolerance": tol,
+            "tolerance_from": f"tolerances.{src}: the captured heads against this float64 "
+                              "composition of the model's attention with its own tables",
+            "ok": within(rel, tol)}
+
+
+def _setup_positional(model: Any, layer: int, x: Any, positions: Any, queries: Any, head: Any):
+    info, attn, mod = _model_parts(model, layer)
+    xt = _x(x, info.hidden)
+    n = xt.shape[0]
+    pos = _pos(positions, n, increasing=True)
+    try:
+        qs = [int(i) for i in queries]
+    except TypeError:
+        raise ValueError("queries must be a sequence of token indices") from None
+    if not qs or min(qs) < 0 or max(qs) >= n:
+        raise ValueError(f"queries must be token indices in [0, {n}), got {qs}")
+    qs = sorted(set(qs))
+    spec, weights = _head(model, int(layer), int(pos.max()) + 1, head)
+    if (spec.n_heads, spec.n_kv_heads, spec.head_dim) != (info.n_heads, info.n_kv_heads,
+                                                          info.head_dim):
+        raise ValueError("head description and model disagree on (H, H_kv, d)")
+    if spec.rope.per_head:
+        raise ValueError("per-head RoPE bases: the model has one rotary table")
+    dev, mdt = _device_dtype(model)
+    x64 = xt.to(dev, mdt).to("cpu", F64)  # the values the model reads
+    # ropestep's side with exact angles (no tables): the same spec otherwise
+    spec_an = replace(spec, rope=RoPESpec(base=spec.rope.base, layout=spec.rope.layout))
+    return info, attn, mod, x64, pos, qs, spec_an, weights, mdt
+
+
+def _row_terms(spec: HeadSpec, P: fast.Projected, qn: int, i: int, h: int):
+    """Ropestep's pieces of row ``(h, i)``: effective query, keys and values of ``j <= i``,
+    generator, and the derivative bounds ``G_n = max_{j != i} sum_l omega_l^n |q_l| |k_jl|``."""
+    q = P.q[h, qn]  # scaled rotated query
+    K, V = P.k[h, : i + 1], P.v[h, : i + 1]
+    A = rope.rope_generator(spec, h)
+    d = spec.head_dim
+    om = rope.rope_frequencies(spec.rope.bases(spec.n_heads)[h], d)
+    li = rope.frequency_index(d, spec.rope.layout)
+    qp = torch.zeros(d // 2, dtype=F64).index_add_(0, li, q * q).sqrt()
+    kp = torch.zeros(i + 1, d // 2, dtype=F64).index_add_(1, li, K * K).sqrt()
+    G = {}
+    for nn in (0, 1, 2, 3):
+        g = (kp * qp[None] * om[None] ** nn).sum(1)
+        g[i] = 0.0  # the query's own key moves with it: no dependence
+        G[nn] = float(g.max())
+    return q, K, V, A, G
+
+
+def _derivative_bounds(V: torch.Tensor, G: dict) -> tuple[torch.Tensor, ...]:
+    """Per value component: ``B1 >= |y'|``, ``B2 >= |y''|``, ``B3 >= |y'''|`` (cumulant bounds)."""
+    rng_v = V.max(0).values - V.min(0).values  # (r,)
+    D1, D2, D3 = 2 * G[1], 2 * G[2], 2 * G[3]
+    return rng_v * D1, rng_v * (D2 + D1 ** 2), rng_v * (D3 + 3 * D1 * D2 + 4 * D1 ** 3)
+
+
+def position_derivative(model: Any, layer: int, x: Any, positions: Any, queries: Sequence[int],
+                        *, heads: Any = None,
+                        head: tuple[HeadSpec, HeadWeights] | None = None) -> dict:
+    """``d y_i / d p_i`` by the RoPE generator against a central difference of the model's own
+    attention (docs/math.md section 5).
+
+    Moving token ``i``'s position id moves its query *and* its own key: ``s_ij = q~_i . k~_j``
+    depends on ``p_j - p_i``, so ``ds_ij/dp_i = q~_i A^T . k~_j`` for ``j < i`` and, for the self
+    term, ``q~_i A^T . k~_i + q~_i . k~_i A^T = q~_i (A^T + A) k~_i^T = 0`` (``A`` is
+    antisymmetric; computed, not assumed).  Then ``y_i' = sum_j w_ij (s_ij' - sum_k w_ik s_ik')
+    v_j`` with the softmax weights ``w``; ropestep's side uses :func:`ropestep.fast.project`
+    (rotated queries and keys, exact angles) and :func:`ropestep.rope.rope_generator`.
+
+    Model side: :class:`_Attention64` (the model's projections, ``apply_rotary_pos_emb``,
+    ``repeat_kv``, float64 softmax) with only token ``i``'s position id at ``p_i +- h``; ``FD =
+    (y_i(p_i + h) - y_i(p_i - h)) / 2h``.  Tolerance per value component (all bounds hold
+    uniformly in the position, from ``G_n = max_{j != i} sum_l omega_l^n |q~_l| |k~_jl|``, which
+    bounds ``|s_ij^(n)|``, and ``R = max_j v_j - min_j v_j``; the joint cumulants of the softmax
+    distribution are bounded by products of ranges):
+
+        |y'| <= B1 = R D1,  |y''| <= B2 = R (D2 + D1^2),  |y'''| <= B3 = R (D3 + 3 D1 D2 + 4 D1^3),
+        D_n = 2 G_n;
+        tol = central_difference_abs(h, B3, eps_y) + eps_d,
+        eps_y = position_eval_abs(N, d, m, S, p_i + h, B1),
+        eps_d = position_eval_abs(N, d, m, D1 S, p_i, 2 B2)
+
+    (``S = max|v|``; ``D1 S`` bounds the derivative's summed terms, ``2 B2`` its sensitivity to
+    the angles' rounding).  ``h = 2^round(log2 (3 eps_y / B3)^(1/3))`` minimises the bound; a power
+    of two keeps ``p_i +- h`` exact.  ``heads`` (the captured per-head outputs over ``x``) adds
+    the anchor: this float64 composition, with the model's own float32 tables, reproduces them.
+    """
+    info, attn, mod, x64, pos, qs, spec_an, weights, mdt = _setup_positional(
+        model, layer, x, positions, queries, head)
+    att = _Attention64(model, info, attn, mod, x64)
+    P = fast.project(spec_an, weights, x64[qs], pos[qs], x64, pos, dtype=F64)
+    m, d = info.hidden, info.head_dim
+    rows = []
+    for qn, i in enumerate(qs):
+        pi = int(pos[i])
+        an_h, tol_h, hs = [], [], []
+        for h in range(spec_an.n_heads):
+            q, K, V, A, G = _row_terms(spec_an, P, qn, i, h)
+            s = K @ q
+            qA = q @ A.T  # d q~ / dp = q~ A^T
+            ds = K @ qA
+            ds[i] = ds[i] + q @ (K[i] @ A.T)  # the own key moves too: ~0
+            w = torch.softmax(s, 0)
+            dbar = (w * ds).sum()
+            an = (w * (ds - dbar)) @ V
+            B1, B2, B3 = _derivative_bounds(V, G)
+            S = float(V.abs().max())
+            N = i + 1
+            e_y = tl.position_eval_abs(N, d, m, S, pi + 1.0, B1)
+            b3 = float(B3.max())
+            e_max = float(torch.as_tensor(e_y).max())
+            hh = 2.0 ** -2 if b3 <= 0 else 2.0 ** float(np.clip(
+                np.round(np.log2((3 * e_max / b3) ** (1 / 3))), -30, -2))
+            e_y = tl.position_eval_abs(N, d, m, S, pi + hh, B1)
+            # the derivative's terms w_j (s_j' - bar) v_j add up to at most D1 max|v|
+            e_d = tl.position_eval_abs(N, d, m, 2 * G[1] * S, pi, 2 * B2)
+            tol = tl.central_difference_abs(hh, B3, e_y) + e_d
+            an_h.append(an)
+            tol_h.append(torch.as_tensor(tol))
+            hs.append(hh)
+        # the model's central difference, one step per head (the step depends on the head)
+        fd_at: dict = {}
+        for hh in sorted(set(hs)):
+            pp, pm = pos.to(F64).clone(), pos.to(F64).clone()
+            pp[i] += hh
+            pm[i] -= hh
+            fd_at[hh] = (att.heads_at(pp, [i])[0] - att.heads_at(pm, [i])[0]) / (2 * hh)
+        fd_h = [fd_at[hh][h] for h, hh in enumerate(hs)]
+        for h in range(spec_an.n_heads):
+            err = (fd_h[h] - an_h[h]).abs()
+            ratio = err / tol_h[h]
+            rows.append({"head": h, "query": i, "position": pi, "h": hs[h],
+                         "err_max": worst(err), "rel": worst(err) / max(float(an_h[h].abs().max()),
+                                                                       tl.SCALE_GUARD),
+                         "tol_max": worst(tol_h[h]), "ratio": worst(ratio),
+                         "derivative_max": float(an_h[h].abs().max()),
+                         "ok": within(ratio, 1.0)})
+    anchor = _anchor(att, pos, heads, mdt)
+    ok = all(r_["ok"] for r_ in rows) and (anchor is None or anchor["ok"])
+    return {"check": "position_derivative", "layer": int(layer), "rows": rows,
+            "err_max": worst(r_["err_max"] for r_ in rows),
+            "rel_max": worst(r_["rel"] for r_ in rows),
+            "ratio_max": worst(r_["ratio"] for r_ in rows),
+            "tolerance_from": ("per component: tolerances.central_difference_abs(h, B3, eps_y) + "
+                               "eps_d, eps = tolerances.position_eval_abs; ok when err/tol <= 1"),
+            "anchor": anchor, "ok": ok}
+
+
+def position_shift(model: Any, layer: int, x: Any, positions: Any, queries: Sequence[int],
+                   deltas: Sequence[int] = (1, 7), *, heads: Any = None,
+                   head: tuple[HeadSpec, HeadWeights] | None = None) -> dict:
+    """``y_i(p_i + delta) - y_i(p_i)`` through ``phi_1(delta A)`` against the model's own attention
+    at token ``i``'s position id ``p_i + delta`` (docs/math.md section 5), integer ``delta``.
+
+    Ropestep's side: the rotated query and the query's own key move exactly,
+    ``z(p + delta) - z(p) = delta A phi_1(delta A) z(p)``
+    (:func:`ropestep.rope.rope_finite_difference`, column form), the other keys stay; the
+    shifted row's softmax output minus the unshifted one.  Model side: :class:`_Attention64` at
+    the shifted and the original positions.  Both sides are float64 evaluations of one function
+    at positions ``<= p_i + |delta|``: each output within
+    ``tolerances.position_eval_abs(N, d, m, S, p_i + |delta|, B1)`` of the other, so the
+    difference of differences within twice that (``S = max|v|``, ``B1 = R D1`` as in
+    :func:`position_derivative`).  ``rel`` relates the error to the size of the difference.
+    """
+    info, attn, mod, x64, pos, qs, spec_an, weights, mdt = _setup_positional(
+        model, layer, x, positions, queries, head)
+    try:
+        ds_ = [int(t) for t in deltas]
+    except TypeError:
+        raise ValueError("deltas must be a sequence of integers") from None
+    if not ds_ or any(t != float(dt) for t, dt in zip(ds_, deltas)):
+        raise ValueError(f"deltas must be non-empty integers, got {list(deltas)}")
+    att = _Attention64(model, info, attn, mod, x64)
+    P = fast.project(spec_an, weights, x64[qs], pos[qs], x64, pos, dtype=F64)
+    m, d = info.hidden, info.head_dim
+    y0 = att.heads_at(pos.to(F64), qs)  # (Qs, H, r)
+    rows = []
+    for delta in ds_:
+        for qn, i in enumerate(qs):
+            pi = int(pos[i])
+            pp = pos.to(F64).clone()
+            pp[i] += delta
+            ym = att.heads_at(pp, [i])[0]  # (H, r)
+            for h in range(spec_an.n_heads):
+                q, K, V, A, G = _row_terms(spec_an, P, qn, i, h)
+                dq = rope.rope_finite_difference(spec_an, q[:, None], float(delta), h)[:, 0]
+                dk = rope.rope_finite_difference(spec_an, K[i][:, None], float(delta), h)[:, 0]
+                q2 = q + dq
+                K2 = K.clone()
+                K2[i] = K[i] + dk
+                y_new = torch.softmax(K2 @ q2, 0) @ V
+                y_old = torch.softmax(K @ q, 0) @ V
+                D_rs = y_new - y_old
+                D_m = ym[h] - y0[qn, h]
+                B1, _, _ = _derivative_bounds(V, G)
+                S = float(V.abs().max())
+                tol = 2 * tl.position_eval_abs(i + 1, d, m, S, pi + abs(delta), B1)
+                err = (D_m - D_rs).abs()
+                ratio = err / torch.as_tensor(tol)
+                rows.append({"head": h, "query": i, "position": pi, "delta": delta,
+                             "err_max": worst(err),
+                             "rel": worst(err) / max(float(D_m.abs().max()), tl.SCALE_GUARD),
+                             "difference_max": float(D_m.abs().max()),
+                             "tol_max": worst(torch.as_tensor(tol)), "ratio": worst(ratio),
+                             "ok": within(ratio, 1.0)})
+    anchor = _anchor(att, pos, heads, mdt)
+    ok = all(r_["ok"] for r_ in rows) and (anchor is None or anchor["ok"])
+    return {"check": "position_shift", "layer": int(layer), "deltas": ds_, "rows": rows,
+            "err_max": worst(r_["err_max"] for r_ in rows),
+            "rel_max": worst(r_["rel"] for r_ in rows),
+            "ratio_max": worst(r_["ratio"] for r_ in rows),
+            "tolerance_from": ("per component: 2 tolerances.position_eval_abs(N, d, m, max|v|, "
+                               "p_i + |delta|, B1); ok when err/tol <= 1"),
+            "anchor": anchor, "ok": ok}

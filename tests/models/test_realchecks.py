@@ -1,0 +1,351 @@
+"""ropestep.realchecks on a tiny random Qwen2 and on SmolLM2-135M: every check passes on the
+correct model, and each deliberate mistake fails the check meant to catch it.
+
+Mutations (each must turn ``ok`` False):
+
+* a wrong RoPE pairing (a head description with the interleaved layout) -- caught by
+  :func:`conventions`, while the mpmath oracle and the fast layer, sharing the mistake, still
+  agree (:func:`exact_rows` passes with it);
+* a wrong GQA map, in the description (``HeadSpec.kv_head``) and in the fast layer's projection;
+* a query position off by one in the fast layer's projection -- caught by
+  :func:`position_derivative` and :func:`position_shift`;
+* a perturbed ``Delta M`` -- caught by :func:`exact_rows`.
+
+Sizes are small (64-token contexts, rows with at most 6 keys for the oracle) so the file runs in
+well under two minutes on two loaded cores.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from ropestep import fast, models, realchecks as rc  # noqa: E402
+from ropestep import tolerances as tl  # noqa: E402
+from ropestep.spec import HeadSpec  # noqa: E402
+from ropestep.verdict import dumps, loads  # noqa: E402
+
+pytestmark = pytest.mark.model
+
+N_CTX = 64  # tokens per test context
+LAYER = 1  # the tiny model's last layer
+
+
+def _json(res: dict) -> dict:
+    """Every result is JSON-ready (strict JSON, non-finite numbers as strings)."""
+    return loads(dumps(res))
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_qwen2):
+    """Layer 1 of the tiny Qwen2 over 64 tokens: capture, head description, and a block capture
+    with 5 candidate continuations (queries at position 63 reading the prefix bank)."""
+    model = tiny_qwen2.model
+    ids = tiny_qwen2.ids[:N_CTX]
+    cap = models.capture(model, ids, [LAYER])[LAYER]
+    spec, w = models.layer_head(model, LAYER, N_CTX)
+    bc = models.capture_block(model, ids, [LAYER], [3, 17, 40, 99, 200])
+    return {"model": model, "x": cap.x, "pos": cap.positions, "heads": cap.heads, "spec": spec,
+            "w": w, "xq": bc.queries[LAYER].x, "xb": bc.full[LAYER].x[:-1]}
+
+
+@pytest.fixture(scope="module")
+def tiny_reference(tiny):
+    """The oracle on one seeded row with few keys (shared by the exact-row tests)."""
+    rows = rc.sample_rows(tiny["spec"].n_heads, range(2, 6), 1, seed=3)
+    return rows, rc.exact_reference(tiny["spec"], tiny["w"], tiny["x"], tiny["pos"], rows)
+
+
+# ---------------------------------------------------------------------------------------------
+# 1. conventions
+# ---------------------------------------------------------------------------------------------
+def test_conventions_pass(tiny):
+    res = rc.conventions(tiny["model"], LAYER, tiny["x"], tiny["pos"])
+    print("conventions: q/k/v rel", res["q_rel_max"], res["k_rel_max"], res["v_rel_max"],
+          "tolerance", res["tolerance_max"])
+    assert res["ok"], res
+    assert len(res["heads"]) == tiny["spec"].n_heads and set(res["routes"]) == {"spec",
+                                                                                 "fast.project"}
+    assert all(h["q_rel"] <= h["q_tol"] and h["k_rel"] <= h["k_tol"] for h in res["heads"])
+    assert res["scale"]["ok"]
+    assert _json(res)["ok"] is True
+
+
+def test_wrong_pairing_caught_by_conventions_though_exact_and_fast_agree(tiny):
+    """The interleaved layout on a split-half model: exact and fast share the mistake (they
+    agree to 1e-12), only the comparison with the model's own rotation sees it."""
+    spec, w = tiny["spec"], tiny["w"]
+    bad = replace(spec, rope=replace(spec.rope, layout="interleaved"))
+    res = rc.conventions(tiny["model"], LAYER, tiny["x"], tiny["pos"], head=(bad, w))
+    print("wrong pairing: q_rel", res["q_rel_max"], "k_rel", res["k_rel_max"])
+    assert not res["ok"]
+    assert res["q_rel_max"] > tl.DETECT_FACTOR * res["tolerance_max"]
+    assert res["k_rel_max"] > tl.DETECT_REL
+    assert res["v_rel_max"] <= res["tolerance_max"]  # values are not rotated: still right
+    shared = rc.exact_rows(bad, w, tiny["x"], tiny["pos"], [(0, 3)])
+    print("exact vs fast under the wrong pairing:", shared["y_rel_max"], shared["delta_m_rel_max"])
+    assert shared["ok"], shared
+
+
+def test_wrong_gqa_map_caught(tiny, monkeypatch):
+    """Query head h reading KV head h % H_kv (instead of h // group): in the description (the
+    map the oracle uses) and in the fast layer's projection."""
+    ok = rc.conventions(tiny["model"], LAYER, tiny["x"], tiny["pos"])
+    assert ok["ok"]
+    with monkeypatch.context() as mp_:
+        mp_.setattr(HeadSpec, "kv_head", lambda self, h: h % self.n_kv_heads)
+        res = rc.conventions(tiny["model"], LAYER, tiny["x"], tiny["pos"])
+    bad = [h["head"] for h in res["heads"] if not h["ok"]]
+    print("kv_head mutant: failing heads", bad, "k_rel", res["k_rel_max"])
+    assert not res["ok"] and not res["routes"]["spec"]["ok"] and res["routes"]["fast.project"]["ok"]
+    assert res["k_rel_max"] > tl.DETECT_FACTOR * res["tolerance_max"]
+    group = tiny["spec"].group
+    moved = [h for h in range(tiny["spec"].n_heads) if h % tiny["spec"].n_kv_heads != h // group]
+    assert set(bad) == set(moved)
+
+    orig = fast.project
+
+    def modulo_grouping(spec, weights, *a, **k):
+        P = orig(spec, weights, *a, **k)
+        Hk = spec.n_kv_heads
+        src = torch.arange(spec.n_heads) // spec.group  # which KV head each row holds
+        first = torch.stack([torch.nonzero(src == g)[0, 0] for g in range(Hk)])
+        pick = first[torch.arange(spec.n_heads) % Hk]
+        P.k, P.v = P.k[pick], P.v[pick]
+        return P
+
+    monkeypatch.setattr(fast, "project", modulo_grouping)
+    res = rc.conventions(tiny["model"], LAYER, tiny["x"], tiny["pos"])
+    print("fast.project grouping mutant: k_rel", res["k_rel_max"])
+    assert not res["ok"] and not res["routes"]["fast.project"]["ok"] and res["routes"]["spec"]["ok"]
+
+
+# ---------------------------------------------------------------------------------------------
+# 2. exact rows
+# ---------------------------------------------------------------------------------------------
+def test_sample_rows_seeded():
+    a = rc.sample_rows(14, 32, 5, seed=1)
+    assert a == rc.sample_rows(14, 32, 5, seed=1) and len(set(a)) == 5
+    assert a != rc.sample_rows(14, 32, 5, seed=2)
+    assert all(0 <= h < 14 and 0 <= q < 32 for h, q in a) and a == sorted(a)
+    assert rc.sample_rows(2, [4, 7], 10, seed=0) == [(0, 4), (0, 7), (1, 4), (1, 7)]
+    with pytest.raises(ValueError):
+        rc.sample_rows(0, 4, 1, seed=0)
+    with pytest.raises(ValueError):
+        rc.sample_rows(2, [], 1, seed=0)
+
+
+def test_exact_rows_pass_and_perturbed_delta_m_caught(tiny, tiny_reference, monkeypatch):
+    rows, ref = tiny_reference
+    args = (tiny["spec"], tiny["w"], tiny["x"], tiny["pos"], rows)
+    res = rc.exact_rows(*args, reference=ref)
+    print("exact rows:", {k: res[k] for k in ("y_rel_max", "delta_m_rel_max", "c_rel_max",
+                                              "readout_rel_max", "exact_seconds")})
+    assert res["ok"], res
+    assert res["tolerance"] == tl.FLOAT64_REL and res["digits"] == 50
+    assert all(r["first_order"] < tl.FLOAT64_REL for r in res["rows"])
+    _json(res)
+
+    orig = fast.step
+
+    def perturbed(*a, **k):
+        st = orig(*a, **k)
+        if st.delta_m is not None:  # a relative 1e-9 error in one entry per matrix
+            st.delta_m[..., 0, 0] += 1e-9 * st.delta_m.abs().amax((-1, -2))
+        return st
+
+    monkeypatch.setattr(fast, "step", perturbed)
+    bad = rc.exact_rows(*args, reference=ref)
+    print("perturbed Delta M:", bad["delta_m_rel_max"])
+    assert not bad["ok"] and bad["delta_m_rel_max"] > tl.FLOAT64_REL
+    assert bad["y_rel_max"] <= tl.FLOAT64_REL  # only Delta M was touched
+    with pytest.raises(ValueError, match="reference holds rows"):
+        rc.exact_rows(tiny["spec"], tiny["w"], tiny["x"], tiny["pos"], [(0, 1)], reference=ref)
+
+
+# ---------------------------------------------------------------------------------------------
+# 3. claims
+# ---------------------------------------------------------------------------------------------
+def test_positive_coefficients(tiny, tiny_reference, monkeypatch):
+    _, ref = tiny_reference
+    res = rc.positive_coefficients(tiny["spec"], tiny["w"], tiny["x"], tiny["pos"], reference=ref)
+    print("min c", res["min_c"], "at", res["argmin"], "exact", res["exact"])
+    assert res["ok"] and res["min_c"] > 0 and res["exact"]["min_c"] > 0
+    assert res["coefficients"] == tiny["spec"].n_heads * N_CTX * (N_CTX + 1) // 2
+    orig = fast.step
+
+    def nan_c(*a, **k):  # a NaN coefficient is a failure, never a pass
+        st = orig(*a, **k)
+        st.c[0, 5, 2] = float("nan")
+        return st
+
+    monkeypatch.setattr(fast, "step", nan_c)
+    bad = rc.positive_coefficients(tiny["spec"], tiny["w"], tiny["x"], tiny["pos"])
+    assert not bad["ok"] and np.isnan(bad["min_c"])
+    assert bad["argmin"] == {"head": 0, "query": 5, "key": 2}
+    assert _json(bad)["min_c"] != _json(bad)["min_c"]  # nan survives the JSON round trip
+
+
+def test_delta_m_rank(tiny):
+    res = rc.delta_m_rank(tiny["spec"], tiny["w"], tiny["x"], tiny["pos"], [(3, 63)])
+    print("rank", res["rows"])
+    assert res["ok"] and res["rank_max"] <= res["d"]
+    r = res["rows"][0]
+    assert r["bound"] == min(res["d"], N_CTX - 1) and r["rank"] == r["bound"]  # attained
+    assert r["sigma_ratio_after_d"] < r["threshold_ratio"] < tl.FLOAT64_REL
+
+
+def test_no_global_readout(tiny):
+    Q = tiny["xq"].shape[0]
+    res = rc.no_global_readout(tiny["spec"], tiny["w"], tiny["xq"], torch.full((Q,), N_CTX - 1),
+                               tiny["xb"], torch.arange(N_CTX - 1))
+    print("certified lower bound (min over heads)", res["lower_certified_min"],
+          "combined", res["combined"]["lower_certified"])
+    assert res["ok"] and res["pairs"] == Q * (Q - 1) // 2
+    for h in res["heads"]:
+        assert 0 < h["lower_certified"] <= h["upper"]
+        assert h["float64_error"] < 1e-6 * h["lower_computed"]
+        assert h["hull"]["certified"] >= 1
+    _json(res)
+    with pytest.raises(ValueError, match="one position"):
+        rc.no_global_readout(tiny["spec"], tiny["w"], tiny["xq"], torch.arange(Q), tiny["xb"],
+                             torch.arange(N_CTX - 1))
+
+
+def _layer0_heads(model, ids, position_ids, attention_mask):
+    """Per-head outputs (o_proj input) of layer 0 in one whole-model forward."""
+    rec = []
+    hook = model.model.layers[0].self_attn.o_proj.register_forward_hook(
+        lambda mod, args, out: rec.append(args[0].detach()))
+    try:
+        with torch.no_grad():
+            model(input_ids=ids[None], position_ids=position_ids[None],
+                  attention_mask=attention_mask, use_cache=False)
+    finally:
+        hook.remove()
+    cfg = model.config
+    return rec[0][0].reshape(ids.numel(), cfg.num_attention_heads, -1).double()
+
+
+def test_shifted_position_id_is_what_the_whole_model_does(tiny_qwen2):
+    """What the positional checks evaluate is what the model does when one token's position id
+    moves -- given an attention mask.  At layer 0 (whose input does not depend on positions) the
+    whole model's forward with token 40 at position id 47 and an all-ones attention mask gives
+    the heads of the float64 composition at those positions (masking by sequence order, token
+    40's query and key both moved), within ``native_rel_tol``.
+
+    Without an attention mask (and without a cache) transformers reads position ids that are not
+    consecutive as *packed sequences* (``masking_utils.find_packed_sequence_indices``): token 40
+    then starts a sequence of its own and attends to itself only -- its head output is its own
+    value.  The positional checks therefore run the attention with an explicit causal order."""
+    model, ids = tiny_qwen2.model, tiny_qwen2.ids[:N_CTX]
+    moved = torch.arange(N_CTX)
+    moved[40] = 47
+    ones = torch.ones(1, N_CTX, dtype=torch.long)
+    heads = _layer0_heads(model, ids, moved, ones)
+    base = _layer0_heads(model, ids, torch.arange(N_CTX), ones)
+    x0 = models.capture(model, ids, [0])[0].x.double()
+    info, attn, mod = rc._model_parts(model, 0)
+    att = rc._Attention64(model, info, attn, mod, x0)
+    mine = att.heads_with_model_tables(moved)
+    tol = tl.native_rel_tol(N_CTX, info.head_dim, info.hidden)
+    rel = float((mine - heads).abs().max() / heads.abs().max())
+    effect = float((heads[40:] - base[40:]).abs().max() / base.abs().max())
+    print("whole model, token 40 at id 47, vs composition:", rel, "tolerance", tol,
+          "effect of the move", effect)
+    assert rel <= tol and effect > tl.DETECT_FACTOR * tol
+    assert torch.equal(heads[:40], base[:40])  # earlier tokens do not see token 40
+
+    packed = _layer0_heads(model, ids, moved, None)
+    v40 = att.v[0, :, 40]  # (H, r): token 40's own value per query head
+    own = float((packed[40] - v40).abs().max() / v40.abs().max())
+    print("no attention mask: token 40's output vs its own value:", own)
+    assert own <= tol  # packed: token 40 attends to itself alone
+
+
+def _query_off_by_one(monkeypatch):
+    orig = fast.project
+
+    def shifted(spec, weights, x_q, pos_q, *a, **k):
+        return orig(spec, weights, x_q, torch.as_tensor(pos_q) + 1, *a, **k)
+
+    monkeypatch.setattr(fast, "project", shifted)
+
+
+def test_position_derivative_and_off_by_one(tiny, monkeypatch):
+    args = (tiny["model"], LAYER, tiny["x"], tiny["pos"], [9, 63])
+    res = rc.position_derivative(*args, heads=tiny["heads"])
+    print("d y/dp: err", res["err_max"], "rel", res["rel_max"], "err/tol", res["ratio_max"],
+          "anchor", res["anchor"]["rel_max"])
+    assert res["ok"] and res["anchor"]["ok"]
+    _json(res)
+    _query_off_by_one(monkeypatch)
+    bad = rc.position_derivative(*args)
+    print("off by one: err/tol", bad["ratio_max"])
+    assert not bad["ok"] and bad["ratio_max"] > 1e3
+
+
+def test_position_shift_and_off_by_one(tiny, monkeypatch):
+    args = (tiny["model"], LAYER, tiny["x"], tiny["pos"], [9, 63])
+    res = rc.position_shift(*args, deltas=(1, 7), heads=tiny["heads"])
+    print("shift: err", res["err_max"], "rel", res["rel_max"], "err/tol", res["ratio_max"])
+    assert res["ok"] and res["deltas"] == [1, 7]
+    assert len(res["rows"]) == 2 * 2 * tiny["spec"].n_heads
+    _query_off_by_one(monkeypatch)
+    bad = rc.position_shift(*args, deltas=(1, 7))
+    print("off by one: err/tol", bad["ratio_max"])
+    assert not bad["ok"] and bad["ratio_max"] > 1e3
+
+
+# ---------------------------------------------------------------------------------------------
+# bad input
+# ---------------------------------------------------------------------------------------------
+def test_bad_input(tiny, build_tiny):
+    m, x, pos, spec, w = tiny["model"], tiny["x"], tiny["pos"], tiny["spec"], tiny["w"]
+    xn = x.clone()
+    xn[3, 5] = float("nan")
+    cases = [
+        (lambda: rc.conventions(m, LAYER, xn, pos), "NaN"),
+        (lambda: rc.conventions(m, LAYER, x[:, :10], pos), "width"),
+        (lambda: rc.conventions(m, 7, x, pos), "out of range"),
+        (lambda: rc.conventions(m, LAYER, x, pos.double() + 0.5), "integer"),
+        (lambda: rc.position_derivative(m, LAYER, x, pos.flip(0), [3]), "increasing"),
+        (lambda: rc.position_derivative(m, LAYER, x, pos, [N_CTX]), "token indices"),
+        (lambda: rc.position_shift(m, LAYER, x, pos, [3], deltas=(0.5,)), "integers"),
+        (lambda: rc.exact_rows(spec, w, x, pos, [(spec.n_heads, 0)]), "out of range"),
+        (lambda: rc.exact_rows(spec, w, x, pos, [(0, 1)], digits=8), "digits"),
+        (lambda: rc.positive_coefficients(spec, w, x[:5], pos), "shape"),
+        (lambda: rc.delta_m_rank(spec, replace(w, w_o=None), x, pos, [(0, 1)]), "w_o"),
+        (lambda: rc.conventions(torch.nn.Linear(2, 2), 0, x, pos), "unsupported"),
+        (lambda: rc.conventions(build_tiny("qwen3", seed=5), 0, x, pos), "not affine"),
+    ]
+    for call, msg in cases:
+        with pytest.raises(ValueError, match=msg):
+            call()
+
+
+# ---------------------------------------------------------------------------------------------
+# SmolLM2-135M, last layer
+# ---------------------------------------------------------------------------------------------
+def test_smollm2_last_layer(smollm2):
+    model, L = smollm2.model, 29
+    ids = smollm2.ids[:N_CTX]
+    cap = models.capture(model, ids, [L])[L]
+    spec, w = models.layer_head(model, L, N_CTX)
+    conv = rc.conventions(model, L, cap.x, cap.positions)
+    rows = rc.sample_rows(spec.n_heads, range(2, 6), 1, seed=1)
+    ex = rc.exact_rows(spec, w, cap.x, cap.positions, rows)
+    pc = rc.positive_coefficients(spec, w, cap.x, cap.positions)
+    der = rc.position_derivative(model, L, cap.x, cap.positions, [N_CTX - 1], heads=cap.heads)
+    sh = rc.position_shift(model, L, cap.x, cap.positions, [N_CTX - 1], deltas=(1, 7))
+    print(f"SmolLM2 layer {L}: conventions q/k/v rel {conv['q_rel_max']:.2e}/"
+          f"{conv['k_rel_max']:.2e}/{conv['v_rel_max']:.2e} (tol {conv['tolerance_max']:.2e}); "
+          f"exact y {ex['y_rel_max']:.1e} dM {ex['delta_m_rel_max']:.1e}; min c {pc['min_c']:.2e}; "
+          f"dy/dp rel {der['rel_max']:.1e} (err/tol {der['ratio_max']:.1e}); shift rel "
+          f"{sh['rel_max']:.1e} (err/tol {sh['ratio_max']:.1e})")
+    for res in (conv, ex, pc, der, sh):
+        assert res["ok"], res["check"]
