@@ -207,28 +207,11 @@ def gl_rule_errors(n: int) -> tuple[float, float, float]:
         return float(na), float(wr), float(wa)
 
 
-def query_space(E: exact.ExactHead, h: int, i: int, scale) -> tuple:
-    """The gradient step in query space from the oracle's own features, at the working precision
-    (docs/math.md section 3): features ``a_j = scale k~_j``, ``H = sum_j c_j a_j a_j^T``, step
-    ``B = sum_j c_j a_j (v_j - mu_i)^T``.  Returns ``(lambda_max(H), E(0), E(B))`` with
-    ``E(B) = 1/2 sum_j c_j |a_j^T B - (v_j - mu_i)|^2``."""
-    d, r = E.spec.head_dim, E.spec.r
-    sc = mp.mpf(scale)
-    c, _ = exact.coefficients(E, h, i)
-    Hm = mp.matrix(d, d)
-    B = mp.matrix(d, r)
-    for j, cj in c.items():
-        a = [sc * E.k[h, j, p] for p in range(d)]
-        for p in range(d):
-            for q in range(d):
-                Hm[p, q] += cj * a[p] * a[q]
-            for q in range(r):
-                B[p, q] += cj * a[p] * (E.v[h, j, q] - E.mu[h, i, q])
-    e0 = e1 = mp.mpf(0)
-    for j, cj in c.items():
-        for q in range(r):
-            t = E.v[h, j, q] - E.mu[h, i, q]
-            pred = mp.fsum(sc * E.k[h, j, p] * B[p, q] for p in range(d))
-            e1 += cj * (pred - t) ** 2 / 2
-            e0 += cj * t * t / 2
-    return max(mp.eigsy(Hm, eigvals_only=True)), e0, e1
+def query_space(E: exact.ExactHead, h: int, i: int) -> tuple:
+    """The gradient step in query space from the oracle (docs/math.md section 3), without bias
+    coordinates (every layer using it has none, so the bordered problem of
+    :func:`ropestep.exact.query_space_hessian` has the same spectrum and step): returns
+    ``(lambda_max(H), E(0), E(step))`` at the working precision of ``E``."""
+    B = exact.query_space_delta_m(E, h, i)
+    return (exact.query_space_lam_max(E, h, i), exact.query_space_objective(E, h, i, B * 0),
+            exact.query_space_objective(E, h, i, B))

@@ -67,7 +67,7 @@ def test_lambda_max_both_spaces_against_the_oracle(case):
     H = spec.n_heads
     lam_in = np.array([[float(exact.lam_max(E, h, i)) for i in range(N)] for h in range(H)])
     with mp.workdps(50):
-        lam_q = np.array([[float(oracle.query_space(E, h, i, spec.score_scale(h))[0])
+        lam_q = np.array([[float(oracle.query_space(E, h, i)[0])
                            for i in range(N)] for h in range(H)])
     e_in, e_q = _rel(res.arrays["lam_input"], lam_in), _rel(res.arrays["lam_query"], lam_q)
     print("lambda input", e_in, "query", e_q)
@@ -85,7 +85,7 @@ def test_descent_verdicts_against_the_oracle(case):
                 M = exact.delta_m(E, h, i)
                 e0 = exact.objective(E, h, i, M * 0)
                 inc_in[h, i] = exact.objective(E, h, i, M) > e0
-                _, eq0, eq = oracle.query_space(E, h, i, spec.score_scale(h))
+                _, eq0, eq = oracle.query_space(E, h, i)
                 inc_q[h, i] = eq > eq0
     print("input space increases", inc_in.mean(), "query space", inc_q.mean())
     assert 0 < inc_in.mean() < 1 or 0 < inc_q.mean() < 1  # the case has both outcomes
