@@ -784,26 +784,18 @@ def render_figures(result: dict, out: Path) -> None:
 
 
 def write_report(result: dict, out: Path, *, figures: bool = True) -> None:
-    """``report.json``, ``report.md`` and ``figures/`` into ``out`` (created or replaced)."""
-    import shutil
-    import tempfile
-
+    """``report.json``, then ``report.md`` and ``figures/`` into ``out`` (replaced atomically:
+    :func:`ropestep.report.write_report_dir`)."""
+    from .report import write_report_dir
     from .verdict import dumps
 
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".atlas-", dir=out.parent))
-    try:
+    def fill(tmp: Path) -> None:
         (tmp / "report.json").write_text(dumps(result, indent=1) + "\n")
         (tmp / "report.md").write_text(render_markdown(result))
         if figures and result["layers"]:
             render_figures(result, tmp / "figures")
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
+
+    write_report_dir(out, fill)
 
 
 # ---------------------------------------------------------------------------------------------

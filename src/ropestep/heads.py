@@ -59,7 +59,7 @@ import numpy as np
 import torch
 
 from . import rope
-from .provenance import portable_command, portable_name, sha256_file
+from .provenance import model_files, portable_command, portable_name
 from .spec import HeadSpec, HeadWeights
 from .verdict import Failure, print_failures
 
@@ -398,19 +398,9 @@ def load(model: str, *, revision: str | None = None, gguf: str | None = None
         m, _ = models.load_model(source, revision=revision, gguf_file=gguf, dtype=torch.float32,
                                  device="cpu", tokenizer=False)
     prov: dict = {"argument": portable_name(model), "source": portable_name(source),
-                  "revision": revision, "gguf_file": None, "gguf_sha256": None,
-                  "weights_sha256": {}, "commit_hash": getattr(m.config, "_commit_hash", None)}
-    p = Path(source).expanduser()
-    if p.is_file() and p.suffix == ".gguf":
-        prov["gguf_file"], prov["gguf_sha256"] = p.name, sha256_file(p)
-    elif p.is_dir():
-        if gguf is not None:
-            prov["gguf_file"], prov["gguf_sha256"] = gguf, sha256_file(p / gguf)
-        else:
-            for f in sorted(p.glob("*.safetensors")) + sorted(p.glob("*.bin")):
-                prov["weights_sha256"][f.name] = sha256_file(f)
-            if (p / "config.json").is_file():
-                prov["config_sha256"] = sha256_file(p / "config.json")
+                  "revision": revision,
+                  "commit_hash": getattr(m.config, "_commit_hash", None),
+                  **model_files(source, gguf)}
     return m, prov
 
 
@@ -610,26 +600,18 @@ def render_figures(result: dict, out: Path) -> None:
 
 
 def write_report(result: dict, out: Path, *, figures: bool = True) -> None:
-    """``report.json``, then ``report.md`` and ``figures/`` into ``out`` (replaced atomically)."""
-    import shutil
-    import tempfile
-
+    """``report.json``, then ``report.md`` and ``figures/`` into ``out`` (replaced atomically:
+    :func:`ropestep.report.write_report_dir`)."""
+    from .report import write_report_dir
     from .verdict import dumps
 
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".heads-", dir=out.parent))
-    try:
+    def fill(tmp: Path) -> None:
         (tmp / "report.json").write_text(dumps(result, indent=1) + "\n")
         (tmp / "report.md").write_text(render_markdown(result))
         if figures and result["layers"]:
             render_figures(result, tmp / "figures")
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
+
+    write_report_dir(out, fill)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -44,8 +44,8 @@ import torch
 from . import __version__, fast
 from . import reuse_stats as rs
 from .verdict import Failure, finite, least, worst
-from .provenance import portable_command, portable_config, portable_name
-from .corpus import Block, CorpusError, load_corpus, select_blocks, sha256_file, tokenizer_fn
+from .provenance import model_files, portable_command, portable_config, portable_name
+from .corpus import Block, CorpusError, load_corpus, select_blocks, tokenizer_fn
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 SMOLLM2_ALIAS = "smollm2"
@@ -213,19 +213,8 @@ def load(cfg: Config) -> tuple[Any, Any, dict]:
         raise ProtocolError(f"{cfg.model}: no tokenizer was found with the model")
     prov: dict = {"argument": portable_name(cfg.model), "source": portable_name(source),
                   "revision": cfg.revision,
-                  "gguf_file": None, "gguf_sha256": None, "weights_sha256": {},
-                  "commit_hash": getattr(model.config, "_commit_hash", None)}
-    p = Path(source).expanduser()
-    if p.is_file() and p.suffix == ".gguf":
-        prov["gguf_file"], prov["gguf_sha256"] = p.name, sha256_file(p)
-    elif p.is_dir():
-        if gguf is not None:
-            prov["gguf_file"], prov["gguf_sha256"] = gguf, sha256_file(p / gguf)
-        else:
-            for f in sorted(p.glob("*.safetensors")) + sorted(p.glob("*.bin")):
-                prov["weights_sha256"][f.name] = sha256_file(f)
-            if (p / "config.json").is_file():
-                prov["config_sha256"] = sha256_file(p / "config.json")
+                  "commit_hash": getattr(model.config, "_commit_hash", None),
+                  **model_files(source, gguf)}
     return model, tok, prov
 
 

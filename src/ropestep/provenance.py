@@ -44,3 +44,22 @@ def portable_config(cfg: dict, keys: tuple[str, ...] = ("model", "corpus", "gguf
         if k in out and out[k] is not None:
             out[k] = portable_name(out[k])
     return out
+
+
+def model_files(source: str | Path, gguf: str | None = None) -> dict:
+    """The files a model was loaded from, by name and sha256 (never by path): a ``.gguf`` file,
+    a directory's ``gguf`` file, or a directory's weights (``*.safetensors``/``*.bin``) and
+    ``config.json``.  A hub id (no local path) gives empty entries."""
+    out: dict = {"gguf_file": None, "gguf_sha256": None, "weights_sha256": {}}
+    p = Path(source).expanduser()
+    if p.is_file() and p.suffix == ".gguf":
+        out["gguf_file"], out["gguf_sha256"] = p.name, sha256_file(p)
+    elif p.is_dir():
+        if gguf is not None:
+            out["gguf_file"], out["gguf_sha256"] = gguf, sha256_file(p / gguf)
+        else:
+            for f in sorted(p.glob("*.safetensors")) + sorted(p.glob("*.bin")):
+                out["weights_sha256"][f.name] = sha256_file(f)
+            if (p / "config.json").is_file():
+                out["config_sha256"] = sha256_file(p / "config.json")
+    return out

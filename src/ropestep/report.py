@@ -19,7 +19,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -497,8 +497,11 @@ def _fig_lam(plt, layer: int, lr: dict):
 # ---------------------------------------------------------------------------------------------
 # writing
 # ---------------------------------------------------------------------------------------------
-def write_report(result: dict, out: str | os.PathLike, figures: bool = True) -> Path:
-    """Write ``report.json``, ``report.md`` and ``figures/`` atomically into ``out``."""
+def write_report_dir(out: str | os.PathLike, fill: Callable[[Path], None]) -> Path:
+    """Create or replace the directory ``out`` atomically: ``fill(tmp)`` writes every file into
+    a fresh sibling directory, which then takes ``out``'s place (the old one is removed only
+    after).  A failure leaves ``out`` as it was (and removes a parent this call created).
+    Every report command writes through this (``report.json`` first, then what is rendered)."""
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise FileExistsError(f"--out {str(out)!r} exists and is not a directory")
@@ -510,10 +513,7 @@ def write_report(result: dict, out: str | os.PathLike, figures: bool = True) -> 
     os.umask(mask)
     os.chmod(tmp, 0o777 & ~mask)  # mkdtemp makes 0700; a report directory is an ordinary one
     try:
-        text = dumps(result)
-        (tmp / "report.json").write_text(text, encoding="utf-8")
-        figs = render_figures(result, tmp / "figures") if figures else {}
-        (tmp / "report.md").write_text(render_markdown(result, figs), encoding="utf-8")
+        fill(tmp)
         if out.exists():
             old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=parent))
             os.rmdir(old)
@@ -531,3 +531,13 @@ def write_report(result: dict, out: str | os.PathLike, figures: bool = True) -> 
                 pass
         raise
     return out
+
+
+def write_report(result: dict, out: str | os.PathLike, figures: bool = True) -> Path:
+    """Write ``report.json``, ``report.md`` and ``figures/`` atomically into ``out``."""
+    def fill(tmp: Path) -> None:
+        (tmp / "report.json").write_text(dumps(result), encoding="utf-8")
+        figs = render_figures(result, tmp / "figures") if figures else {}
+        (tmp / "report.md").write_text(render_markdown(result, figs), encoding="utf-8")
+
+    return write_report_dir(out, fill)
