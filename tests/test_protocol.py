@@ -540,6 +540,7 @@ def _check_smollm2(r: dict, contexts: int) -> None:
     for name in ("conventions", "positive_coefficients", "rank", "no_global_readout",
                  "position_derivative", "position_shift", "exact_rows"):
         assert rh[name]["ok"] and rh[name]["contexts"] >= 1, name
+    assert rh["positive_coefficients"]["contexts"] == contexts  # every context; claims once
     assert rh["positive_coefficients"]["min_c"] > 0 and rh["rank"]["rank_max"] <= 64
     assert rh["no_global_readout"]["lower_certified_min"] > 0
     assert max(rh["exact_rows"][k] for k in ("y_rel_max", "delta_m_rel_max", "readout_rel_max")) \
