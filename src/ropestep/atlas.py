@@ -785,17 +785,10 @@ def render_figures(result: dict, out: Path) -> None:
 
 def write_report(result: dict, out: Path, *, figures: bool = True) -> None:
     """``report.json``, then ``report.md`` and ``figures/`` into ``out`` (replaced atomically:
-    :func:`ropestep.report.write_report_dir`)."""
-    from .report import write_report_dir
-    from .verdict import dumps
+    :func:`ropestep.report.write_rendered`)."""
+    from .report import write_rendered
 
-    def fill(tmp: Path) -> None:
-        (tmp / "report.json").write_text(dumps(result, indent=1) + "\n")
-        (tmp / "report.md").write_text(render_markdown(result))
-        if figures and result["layers"]:
-            render_figures(result, tmp / "figures")
-
-    write_report_dir(out, fill)
+    write_rendered(out, result, render_markdown, render_figures, figures)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -533,6 +533,22 @@ def write_report_dir(out: str | os.PathLike, fill: Callable[[Path], None]) -> Pa
     return out
 
 
+def write_rendered(out: str | os.PathLike, result: dict, render_md: Callable[[dict], str],
+                   render_figs: Callable[[dict, Path], Any] | None = None,
+                   figures: bool = True) -> Path:
+    """``report.json`` (indented), then ``report.md = render_md(result)`` and, when asked and
+    there is something to draw (``result["layers"]``), ``render_figs(result, out/figures)``:
+    atomically into ``out`` (:func:`write_report_dir`).  The atlas, heads and train-families
+    commands write through this."""
+    def fill(tmp: Path) -> None:
+        (tmp / "report.json").write_text(dumps(result), encoding="utf-8")
+        (tmp / "report.md").write_text(render_md(result), encoding="utf-8")
+        if figures and render_figs is not None and result.get("layers"):
+            render_figs(result, tmp / "figures")
+
+    return write_report_dir(out, fill)
+
+
 def write_report(result: dict, out: str | os.PathLike, figures: bool = True) -> Path:
     """Write ``report.json``, ``report.md`` and ``figures/`` atomically into ``out``."""
     def fill(tmp: Path) -> None:
