@@ -318,61 +318,37 @@ claim("Cosine-RoPE", "59,617 chunks of 128 tokens, 61MB total", "arithmetic",
 # ### A15–A20. What only a training run (or nothing here) can decide
 #
 # The learned temperatures are read from `validation/families/report.json` when that report
-# exists (`ropestep train-families --out validation/families` produces it): every number stored
-# under a key naming a temperature (`tau`, `temperature`; not `log_tau`, the parameter) is
-# collected; entries whose path names `final` or `learned` are preferred, and entries naming
-# `init` are the initial values.  The
-# document's claim holds if every learned $\tau$ lies in $[4.8, 5.2]$ and below $\sqrt{32}$.
+# exists (`ropestep train-families --out validation/families` produces it):
+# `variants.cosine.tau_initial` / `tau_final` (one list of head temperatures per layer) and
+# `steps_done`.  The document's claim is about 2000 steps: τ ends in $[4.8, 5.2]$ in every head,
+# every head below $\sqrt{32}$.  A run of the same length decides it; a shorter run can only
+# show the direction (every head below its initial value), so the claim then stays open with
+# that evidence.
 
 # %%
-def temperatures_in(obj, path=""):
-    out = []
-    if isinstance(obj, dict):
-        for k, v in obj.items():
-            p = f"{path}.{k}" if path else str(k)
-            if "log" in str(k).lower():  # log_tau: the parameter, not the temperature
-                continue
-            if any(w in str(k).lower() for w in ("tau", "temperature")):
-                out += [(p, float(val)) for _, val in numbers_in(v, p)]
-            else:
-                out += temperatures_in(v, p)
-    elif isinstance(obj, list):
-        for i, v in enumerate(obj):
-            out += temperatures_in(v, f"{path}[{i}]")
-    return out
-
-
-def numbers_in(obj, path=""):
-    if isinstance(obj, bool):
-        return []
-    if isinstance(obj, (int, float)):
-        return [(path, obj)]
-    if isinstance(obj, dict):
-        return [x for k, v in obj.items() for x in numbers_in(v, f"{path}.{k}")]
-    if isinstance(obj, list):
-        return [x for i, v in enumerate(obj) for x in numbers_in(v, f"{path}[{i}]")]
-    return []
-
-
+DOC_STEPS = 2000
 FAMILIES_CMD = "ropestep train-families --out validation/families"
 families = read_report("families")
-if families is None:
-    tau_verdict, tau_evidence = "open", (f"validation/families/report.json does not exist yet; `{FAMILIES_CMD}` "
-                                         "produces it")
-    learned = []
+cos = None if families is None else families.get("variants", {}).get("cosine")
+if cos is None or "tau_final" not in cos:
+    tau_verdict, tau_evidence = "open", (f"validation/families/report.json with a cosine run does not exist "
+                                         f"yet; `{FAMILIES_CMD}` produces it")
 else:
-    found = temperatures_in(families)
-    preferred = [(p, v) for p, v in found if any(w in p.lower() for w in ("final", "learned"))]
-    learned = preferred or [(p, v) for p, v in found if "init" not in p.lower()]
-    if not learned:
-        tau_verdict, tau_evidence = "open", "validation/families/report.json holds no temperature entry"
+    init = np.array(cos["tau_initial"], dtype=float).ravel()
+    vals = np.array(cos["tau_final"], dtype=float).ravel()
+    steps = int(cos["steps_done"])
+    down = int(np.sum(vals < init))
+    in_band = bool(np.all((vals >= 4.8) & (vals <= 5.2)))
+    tau_evidence = (f"{len(vals)} heads after {steps} steps (validation/families/report.json): tau "
+                    f"{vals.min():.3f}-{vals.max():.3f} from {init.min():.3f}; {down} of {len(vals)} moved "
+                    f"down; {'all' if in_band else 'not all'} in [4.8, 5.2]")
+    if steps >= DOC_STEPS:
+        tau_verdict = "holds" if (in_band and down == len(vals)) else "fails"
     else:
-        vals = np.array([v for _, v in learned])
-        ok = bool(np.all((vals >= 4.8) & (vals <= 5.2) & (vals < tau0)))
-        tau_verdict = "holds" if ok else "fails"
-        tau_evidence = (f"{len(vals)} learned tau in validation/families/report.json (e.g. {learned[0][0]}): "
-                        f"min {vals.min():.3f}, max {vals.max():.3f}, spread {vals.max() - vals.min():.3f}; "
-                        f"{int(np.sum(vals < tau0))} of {len(vals)} below sqrt(32)")
+        tau_verdict = "open"
+        tau_evidence += (f" -- a {steps}-step run against the document's {DOC_STEPS}: the direction "
+                         f"{'matches' if down == len(vals) else 'does not match'}, the end value is not "
+                         f"reached at this budget (`{FAMILIES_CMD} --steps {DOC_STEPS}` decides it)")
 print(tau_verdict, "-", tau_evidence)
 
 claim("Cosine-RoPE", "after 2000 steps tau converged to 4.8-5.2 in every head; every head drifted downward "
@@ -627,7 +603,8 @@ assert verdicts["a higher base gives (early) components stronger positional vari
 assert all(r[4] >= keys_floor - 1e-12 for r in sketch_rows)
 assert all(abs(r[2] - r[1] / (dh // 2 - 1)) < 1e-12 for r in sketch_rows)  # the project's barycenter
 assert band_gap < 1e-12 and ph_err < 1e-12 and tables_refused and norm_rot_gap < 1e-14
-assert (tau_verdict == "open") == (not learned)
+assert tau_verdict in ("holds", "fails", "open")
+assert cos is None or tau_verdict != "open" or int(cos["steps_done"]) < DOC_STEPS
 assert all(r is not None for r in HEADS.values()), "run: " + "; ".join(HEADS_CMD.values())
 assert len(CLAIMS) >= 25 and sum(counts.values()) == len(CLAIMS)
 print("all assertions passed")

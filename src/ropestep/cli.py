@@ -204,6 +204,10 @@ COMMANDS: dict[str, tuple[Callable[[argparse.ArgumentParser], None], Handler, st
               "every layer, head and query of a model against its own output: identity, "
               "kappa, sink mass, descent in both spaces, frozen reuse (JSON + Markdown + "
               "figures)"),
+    "train-families": (*_delegate("train_families"),
+                       "train standard, Cosine-RoPE and per-head-base attention on one seed and "
+                       "data, then check the identity, descent, reuse and the cosine bound on "
+                       "every trained head (JSON + Markdown + figures + safetensors)"),
     "heads": (*_delegate("heads"),
               "per layer and head: W_q/W_k condition numbers, effective rank, energy per RoPE "
               "frequency band, barycenter and the base it suggests (JSON + Markdown + figures)"),

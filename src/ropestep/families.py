@@ -706,8 +706,9 @@ class HFAttention(RoPEAttention):
         return out, probs
 
 
-def _decoder_layers(model: Any) -> Any:
-    for path in ("model.layers", "layers"):
+def _submodule(model: Any, paths: tuple[str, ...], missing: str) -> Any:
+    """The first of the dotted attribute ``paths`` that ``model`` has; ``ValueError(missing)``."""
+    for path in paths:
         obj = model
         try:
             for part in path.split("."):
@@ -715,20 +716,16 @@ def _decoder_layers(model: Any) -> Any:
         except AttributeError:
             continue
         return obj
-    raise ValueError(f"{type(model).__name__}: no decoder layers found (expected a Hugging Face "
-                     "Llama/Qwen2 model with model.layers)")
+    raise ValueError(f"{type(model).__name__}: {missing}")
+
+
+def _decoder_layers(model: Any) -> Any:
+    return _submodule(model, ("model.layers", "layers"), "no decoder layers found (expected a "
+                      "Hugging Face Llama/Qwen2 model with model.layers)")
 
 
 def _rotary(model: Any) -> Any:
-    for path in ("model.rotary_emb", "rotary_emb"):
-        obj = model
-        try:
-            for part in path.split("."):
-                obj = getattr(obj, part)
-        except AttributeError:
-            continue
-        return obj
-    raise ValueError(f"{type(model).__name__}: no rotary_emb module found")
+    return _submodule(model, ("model.rotary_emb", "rotary_emb"), "no rotary_emb module found")
 
 
 def _model_tables(rotary: Any, head_dim: int) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
@@ -1074,15 +1071,18 @@ def check_module(module: RoPEAttention, x: Any, positions: Any = None, *, n_reus
 
     # (d) the cosine bound at the learned temperatures
     if spec.family == "cosine":
-        # queries reading one key have y = mu = v_0 (the module's and the suite's projections
-        # of v_0 may differ by an ulp): the ratio is reported over queries with >= 2 keys
-        ratio = cosine_bound_ratio(native64, st.mu, P.v, mask)  # (H, Q)
-        ratio = torch.where(mask.sum(-1)[None] >= 2, ratio, torch.zeros_like(ratio))
         taus = torch.tensor(spec.temperatures(), dtype=torch.float64)
         bound = cosine_bound(taus)
         num = torch.linalg.vector_norm(native64 - st.mu, dim=-1)
         dev = torch.linalg.vector_norm(P.v[:, None] - st.mu[:, :, None], dim=-1)
         den = dev.masked_fill(~mask[None], 0.0).amax(-1)
+        # queries reading one key, or keys whose values are all equal (a repeated token in
+        # layer 0), have y = mu exactly: the module's y differs from the suite's mu only by
+        # rounding, over a zero denominator.  The ratio is reported over the other queries
+        # (the bound's check below still covers them all)
+        ratio = cosine_bound_ratio(native64, st.mu, P.v, mask)  # (H, Q)
+        ratio = torch.where((mask.sum(-1)[None] >= 2) & (den > 0), ratio,
+                            torch.zeros_like(ratio))
         excess = (num - bound[:, None] * den).clamp_min(0.0).numpy()
         # the module's y is within agreement_rel_tol * S_i of the exact head per component,
         # sqrt(r) times that in the 2-norm (docs/math.md section 11)
