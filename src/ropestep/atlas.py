@@ -795,10 +795,9 @@ def write_report(result: dict, out: Path, *, figures: bool = True) -> None:
 # command line (registered as ``ropestep atlas`` in ropestep.cli)
 # ---------------------------------------------------------------------------------------------
 def add_arguments(p) -> None:
-    p.add_argument("--model", required=True, metavar="PATH_OR_ID",
-                   help="hub id, local model directory, .gguf file, or 'smollm2'")
-    p.add_argument("--revision", default=None, help="hub revision of --model")
-    p.add_argument("--gguf", default=None, metavar="FILE", help="GGUF file inside --model")
+    from .models import add_model_arguments
+
+    add_model_arguments(p)
     p.add_argument("--corpus", default="default", metavar="wikitext2|PATH|default",
                    help="text the contexts are drawn from [default: the bundled text]")
     p.add_argument("--contexts", type=int, default=4, metavar="C", help="contexts [4]")

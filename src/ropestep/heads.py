@@ -611,10 +611,9 @@ def write_report(result: dict, out: Path, *, figures: bool = True) -> None:
 # command line
 # ---------------------------------------------------------------------------------------------
 def add_arguments(p) -> None:
-    p.add_argument("--model", required=True, metavar="PATH_OR_ID",
-                   help="hub id, local model directory, .gguf file, or 'smollm2'")
-    p.add_argument("--revision", default=None, help="hub revision of --model")
-    p.add_argument("--gguf", default=None, metavar="FILE", help="GGUF file inside --model")
+    from .models import add_model_arguments
+
+    add_model_arguments(p)
     p.add_argument("--layers", default="all", metavar="all|a,b|last", help="layers [all]")
     p.add_argument("--base-min", type=float, default=BASE_RANGE[0],
                    help="smallest suggested base b(0) [1e3]")

@@ -192,6 +192,15 @@ def load_model(source: str | os.PathLike, *, revision: str | None = None,
     return model, tok
 
 
+def add_model_arguments(p: Any) -> None:
+    """The model options every command shares: ``--model`` (hub id, local directory, ``.gguf``
+    file or ``smollm2``), ``--revision`` and ``--gguf``."""
+    p.add_argument("--model", required=True, metavar="PATH_OR_ID",
+                   help="hub id, local model directory, .gguf file, or 'smollm2'")
+    p.add_argument("--revision", default=None, help="hub revision of --model")
+    p.add_argument("--gguf", default=None, metavar="FILE", help="GGUF file inside --model")
+
+
 CACHE_MARKER = "ropestep-gguf-cache.json"
 
 
