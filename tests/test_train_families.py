@@ -340,3 +340,20 @@ def test_full_default_run(tmp_path, capsys):
         if same_env:
             for v in fm.VARIANTS:
                 assert rep["variants"][v]["train_loss"] == old["variants"][v]["train_loss"]
+
+
+def test_heads_reads_a_trained_checkpoint(tiny_run, tmp_path):
+    """``ropestep heads --model <variant>.safetensors``: the diagnostics of a trained variant,
+    the same numbers as the train-families report's own (both from ``head_description``)."""
+    from ropestep import heads
+
+    _, out, rep = tiny_run
+    ck = out / "checkpoints" / "perhead.safetensors"
+    assert heads.main(["--model", str(ck), "--out", str(tmp_path / "h"), "--quiet",
+                       "--no-figures"]) == 0
+    got = json.loads((tmp_path / "h" / "report.json").read_text())
+    want = rep["variants"]["perhead"]["heads_diagnostics"]
+    assert got["model"]["variant"] == "perhead" and ck.name in got["model"]["weights_sha256"]
+    for L, lr in want["layers"].items():
+        for a, b in zip(got["layers"][L]["query_heads"], lr["query_heads"]):
+            assert a["barycenter"] == b["barycenter"] and a["w_q"]["cond"] == b["w_q"]["cond"]

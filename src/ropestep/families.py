@@ -62,6 +62,7 @@ from __future__ import annotations
 
 import copy
 import math
+from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -1288,3 +1289,41 @@ __all__ = [
     "RMSNorm", "LayerCapture", "GPTCapture", "replace_attention", "check_module", "check_gpt",
     "check_frequency_ordering", "cosine_bound", "cosine_bound_ratio",
 ]
+
+
+# ---------------------------------------------------------------------------------------------
+# checkpoints (written by ropestep train-families)
+# ---------------------------------------------------------------------------------------------
+CHECKPOINT_SCHEMA = "ropestep.train_families.checkpoint/1"
+
+
+def is_checkpoint(path: Any) -> bool:
+    """``path`` is one file of a ``<variant>.safetensors`` + ``<variant>.json`` checkpoint pair."""
+    p = Path(str(path)).expanduser()
+    js = p.with_suffix(".json")
+    if p.suffix not in (".safetensors", ".json") or not js.is_file():
+        return False
+    try:
+        import json
+
+        return json.loads(js.read_text()).get("schema") == CHECKPOINT_SCHEMA
+    except (OSError, ValueError):
+        return False
+
+
+def load_checkpoint(path: Any, device: str = "cpu") -> "GPT":
+    """A :class:`GPT` from ``<variant>.json`` or ``<variant>.safetensors`` (the other file of
+    the pair beside it), in eval mode."""
+    import json
+
+    from safetensors.torch import load_model
+
+    js = Path(str(path)).expanduser().with_suffix(".json")
+    info = json.loads(js.read_text())
+    if info.get("schema") != CHECKPOINT_SCHEMA:
+        raise ValueError(f"{js.name} is not a train-families checkpoint config")
+    gc = dict(info["gpt_config"])
+    gc["base_range"] = tuple(gc["base_range"])
+    model = GPT(GPTConfig(**gc))
+    load_model(model, str(js.parent / info["weights"]), device=str(device))
+    return model.to(device).eval()

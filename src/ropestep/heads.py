@@ -59,7 +59,7 @@ import numpy as np
 import torch
 
 from . import rope
-from .provenance import model_files, portable_command, portable_name
+from .provenance import model_files, portable_command, portable_name, sha256_file
 from .spec import HeadSpec, HeadWeights
 from .verdict import Failure, print_failures
 
@@ -370,6 +370,28 @@ def diagnose(model: Any, layers: str | Sequence[int] = "all", *,
             "frequency_axis": next(iter(out.values()))["frequency_axis"] if out else None}
 
 
+def diagnose_gpt(model: Any, layers: str | Sequence[int] = "all", *,
+                 base_range: tuple[float, float] = BASE_RANGE) -> dict:
+    """The same diagnostics for a :class:`ropestep.families.GPT` (a trained variant of
+    ``ropestep train-families``): each block's attention module describes its own heads
+    (``head_description``: the learned per-head bases or temperatures included)."""
+    cfg = model.config
+    Ls = parse_layers(layers, len(model.blocks))
+    out: dict[str, dict] = {}
+    for L in Ls:
+        spec, w = model.blocks[L].attn.head_description(dtype=torch.float64)
+        out[str(L)] = diagnose_weights(spec, w, base_range=base_range)
+    summary = summarise(list(out.values()))
+    spec0 = model.blocks[0].attn.head_description(dtype=torch.float64)[0]
+    return {"model": {"name": f"ropestep.families GPT ({cfg.variant})", "model_type": "families",
+                      "family": spec0.family, "n_layers": len(model.blocks),
+                      "n_heads": spec0.n_heads, "n_kv_heads": spec0.n_kv_heads,
+                      "group": spec0.group, "head_dim": spec0.head_dim, "hidden": cfg.d_model,
+                      "rope_theta": None, "qkv_bias": False, "variant": cfg.variant},
+            "layers": out, "summary": summary,
+            "frequency_axis": next(iter(out.values()))["frequency_axis"] if out else None}
+
+
 SMOLLM2_ALIAS = "smollm2"
 
 
@@ -386,9 +408,17 @@ def load(model: str, *, revision: str | None = None, gguf: str | None = None
          ) -> tuple[Any, dict]:
     """Load ``model`` (``"smollm2"``, a local directory, a ``.gguf`` file or a hub id) in float32
     without a tokenizer; return ``(model, provenance)`` with file names and sha256 only."""
-    from . import models
+    from . import families, models
 
     source = model
+    if families.is_checkpoint(model):  # a trained variant of ropestep train-families
+        p = Path(str(model)).expanduser()
+        gpt = families.load_checkpoint(p)
+        return gpt, {"argument": portable_name(model), "source": portable_name(p),
+                     "revision": None, "commit_hash": None,
+                     "gguf_file": None, "gguf_sha256": None,
+                     "weights_sha256": {q.name: sha256_file(q) for q in
+                                        (p.with_suffix(".safetensors"), p.with_suffix(".json"))}}
     if str(model).strip().lower() == SMOLLM2_ALIAS:
         if gguf is not None:
             raise HeadsError("--gguf cannot be combined with --model smollm2 (the alias names "
@@ -419,7 +449,9 @@ def run(model: str, *, layers: str = "all", revision: str | None = None, gguf: s
     t0 = time.perf_counter()
     m, prov = load(model, revision=revision, gguf=gguf) if loaded is None else loaded
     t1 = time.perf_counter()
-    res = diagnose(m, layers, base_range=(bmin, bmax))
+    from .families import GPT
+
+    res = (diagnose_gpt if isinstance(m, GPT) else diagnose)(m, layers, base_range=(bmin, bmax))
     t2 = time.perf_counter()
     fl = failures(res["layers"])
     res["model"].update({k: v for k, v in prov.items() if k not in res["model"]})

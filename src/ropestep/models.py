@@ -196,7 +196,8 @@ def add_model_arguments(p: Any) -> None:
     """The model options every command shares: ``--model`` (hub id, local directory, ``.gguf``
     file or ``smollm2``), ``--revision`` and ``--gguf``."""
     p.add_argument("--model", required=True, metavar="PATH_OR_ID",
-                   help="hub id, local model directory, .gguf file, or 'smollm2'")
+                   help="hub id, local model directory, .gguf file, or 'smollm2' (ropestep "
+                        "heads also reads a train-families checkpoint, <variant>.safetensors)")
     p.add_argument("--revision", default=None, help="hub revision of --model")
     p.add_argument("--gguf", default=None, metavar="FILE", help="GGUF file inside --model")
 

@@ -75,12 +75,11 @@ import torch
 import torch.nn.functional as F
 
 from . import heads as heads_mod
-from .families import VARIANTS, GPT, GPTConfig, check_gpt
+from .families import CHECKPOINT_SCHEMA, VARIANTS, GPT, GPTConfig, check_gpt, load_checkpoint
 from .provenance import portable_command, portable_name, sha256_file
-from .verdict import Failure, dumps, loads, num, print_failures, worst
+from .verdict import Failure, dumps, num, print_failures, worst
 
 SCHEMA = "ropestep.train_families/1"
-CHECKPOINT_SCHEMA = "ropestep.train_families.checkpoint/1"
 TOKENIZERS = ("smollm2", "bytes")
 MIN_SEQ = 4
 EVAL_BATCH = 8  # sequences per forward of the validation loss (it needs no gradient)
@@ -446,23 +445,6 @@ def save_checkpoint(model: GPT, directory: Path, meta: dict) -> dict:
             "weights": st.name, "weights_sha256": sha256_file(st), **meta}
     (directory / f"{v}.json").write_text(dumps(info, indent=1) + "\n")
     return info
-
-
-def load_checkpoint(path: str | Path, device: str = "cpu") -> GPT:
-    """A :class:`GPT` from ``<variant>.json`` or ``<variant>.safetensors`` (the other file of
-    the pair beside it), in eval mode."""
-    from safetensors.torch import load_model
-
-    p = Path(path)
-    js = p.with_suffix(".json")
-    info = loads(js.read_text())
-    if info.get("schema") != CHECKPOINT_SCHEMA:
-        raise ValueError(f"{js.name} is not a train-families checkpoint config")
-    gc = dict(info["gpt_config"])
-    gc["base_range"] = tuple(gc["base_range"])
-    model = GPT(GPTConfig(**gc))
-    load_model(model, str(js.parent / info["weights"]), device=str(device))
-    return model.to(device).eval()
 
 
 # ---------------------------------------------------------------------------------------------
