@@ -53,6 +53,9 @@ def test_exit_codes(tiny_dir, tmp_path, monkeypatch, capsys):
     assert atlas.main(_argv(str(tiny_dir), tmp_path / "bad", "--len", "1")) == 2
     assert atlas.main(_argv(str(tmp_path / "missing"), tmp_path / "bad2")) == 2
     assert not (tmp_path / "bad").exists()
+    capsys.readouterr()
+    assert atlas.main(_argv(str(tiny_dir), tmp_path / "bad3", "--device", "mps")) == 2
+    assert "no float64" in capsys.readouterr().err  # a device without float64: said, not crashed
     monkeypatch.setattr(tolerances, "model_dtype_native_bound",  # nothing can pass
                         lambda *a, **k: np.zeros(np.broadcast_shapes(np.shape(a[1]),
                                                                      np.shape(a[2]))))

@@ -452,6 +452,9 @@ def check_config(cfg: AtlasConfig) -> None:
     if cfg.length < 2:
         raise AtlasError(f"--len must be >= 2, got {cfg.length}")
     dev = str(cfg.device)
+    if dev.startswith("mps"):
+        raise AtlasError("--device mps has no float64, and the atlas's reference passes are "
+                         "float64: use cpu or cuda")
     if not (dev == "cpu" or dev.startswith("cuda")):
         raise AtlasError(f"--device must be 'cpu' or 'cuda[:N]', got {dev!r}")
     if dev.startswith("cuda") and not torch.cuda.is_available():
