@@ -888,16 +888,9 @@ def same_report(a: dict, b: dict) -> bool:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m ropestep.atlas ...`` (what torchrun launches); same as ``ropestep atlas``."""
-    from .verdict import OneLineParser
+    from .verdict import module_main
 
-    argv = list(sys.argv[1:] if argv is None else argv)
-    p = OneLineParser(prog="ropestep atlas", description=(__doc__ or "").split("\n")[0])
-    add_arguments(p)
-    try:
-        args = p.parse_args(argv)
-    except SystemExit as stop:
-        return int(stop.code or 0)
-    return main_args(args, ["atlas", *argv])
+    return module_main("atlas", __doc__, add_arguments, main_args, argv)
 
 
 if __name__ == "__main__":

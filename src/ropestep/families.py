@@ -169,6 +169,15 @@ def _linear(fan_in: int, fan_out: int, bias: bool, given: nn.Linear | None, name
     return given
 
 
+def _set_log(param: torch.Tensor, values: Any, n: int, what: str) -> None:
+    """``param <- log(values)`` for a per-head log-parametrised quantity (one value or ``n``),
+    each finite and > 0."""
+    v = torch.as_tensor(values, dtype=torch.float64).expand(n)
+    if not bool(torch.isfinite(v).all() and (v > 0).all()):
+        raise ValueError(f"{what} must be finite and > 0, got {v.tolist()}")
+    param.copy_(torch.log(v).to(param.dtype))
+
+
 class RoPEAttention(nn.Module):
     """Causal RoPE-softmax attention, one of :data:`VARIANTS` (docs/math.md section 11).
 
@@ -228,10 +237,7 @@ class RoPEAttention(nn.Module):
         """Set ``log_tau = log(tau)`` (one value or one per head, each finite and > 0)."""
         if self.variant != "cosine":
             raise ValueError(f"variant {self.variant!r} has no temperature (cosine only)")
-        t = torch.as_tensor(tau, dtype=torch.float64).expand(self.n_heads)
-        if not bool(torch.isfinite(t).all() and (t > 0).all()):
-            raise ValueError(f"temperatures must be finite and > 0, got {t.tolist()}")
-        self.log_tau.copy_(torch.log(t).to(self.log_tau.dtype))
+        _set_log(self.log_tau, tau, self.n_heads, "temperatures")
 
     def bases(self) -> torch.Tensor:
         """RoPE base per query head in float64, ``(H,)``: ``exp(clamp(log_base, log b_min,
@@ -247,10 +253,7 @@ class RoPEAttention(nn.Module):
         used, as the learned ones are)."""
         if self.variant != "perhead":
             raise ValueError(f"variant {self.variant!r} has one base, not one per head")
-        b = torch.as_tensor(bases, dtype=torch.float64).expand(self.n_heads)
-        if not bool(torch.isfinite(b).all() and (b > 0).all()):
-            raise ValueError(f"RoPE bases must be finite and > 0, got {b.tolist()}")
-        self.log_base.copy_(torch.log(b).to(self.log_base.dtype))
+        _set_log(self.log_base, bases, self.n_heads, "RoPE bases")
 
     def frequencies(self) -> torch.Tensor:
         """``omega_{h,l} = base_h^(-2l/d)``, float64 ``(H, d/2)``: decreasing in ``l``,

@@ -325,27 +325,14 @@ def failures(layers: dict[str, dict]) -> list[Failure]:
 # a loaded model
 # ---------------------------------------------------------------------------------------------
 def parse_layers(text: str | Sequence[int], n_layers: int) -> list[int]:
-    """``"all"``, ``"last"``, ``"7"`` or ``"0,3,5"`` (or a sequence) -> sorted distinct layers."""
-    if isinstance(text, str):
-        t = text.strip().lower()
-        if t == "all":
-            return list(range(n_layers))
-        if t == "last":
-            return [n_layers - 1]
-        try:
-            items = [int(x) for x in t.split(",") if x.strip() != ""]
-        except ValueError:
-            raise HeadsError(f"--layers must be 'all', 'last' or comma-separated integers, got "
-                             f"{text!r}") from None
-    else:
-        items = [int(x) for x in text]
-    if not items:
-        raise HeadsError("no layers given")
-    bad = [i for i in items if not 0 <= i < n_layers]
-    if bad:
-        raise HeadsError(f"layer {bad[0]} out of range: the model has {n_layers} layers "
-                         f"(valid: 0..{n_layers - 1})")
-    return sorted(set(items))
+    """``"all"``, ``"last"``, ``"7"`` or ``"0,3,5"`` (or a sequence) -> sorted distinct layers
+    (:func:`ropestep.protocol.parse_indices`, its errors as :class:`HeadsError`)."""
+    from .protocol import ProtocolError, parse_indices
+
+    try:
+        return parse_indices(text, n_layers, "layer")
+    except ProtocolError as err:
+        raise HeadsError(str(err)) from None
 
 
 def diagnose(model: Any, layers: str | Sequence[int] = "all", *,
@@ -698,16 +685,9 @@ def main_args(args, argv: Sequence[str]) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m ropestep.heads ...``; the same as ``ropestep heads``."""
-    from .verdict import OneLineParser
+    from .verdict import module_main
 
-    argv = list(sys.argv[1:] if argv is None else argv)
-    p = OneLineParser(prog="ropestep heads", description=(__doc__ or "").split("\n")[0])
-    add_arguments(p)
-    try:
-        args = p.parse_args(argv)
-    except SystemExit as stop:
-        return int(stop.code or 0)
-    return main_args(args, ["heads", *argv])
+    return module_main("heads", __doc__, add_arguments, main_args, argv)
 
 
 if __name__ == "__main__":

@@ -891,6 +891,18 @@ def _derivative_bounds(V: torch.Tensor, G: dict) -> tuple[torch.Tensor, ...]:
     return rng_v * D1, rng_v * (D2 + D1 ** 2), rng_v * (D3 + 3 * D1 * D2 + 4 * D1 ** 3)
 
 
+def _positional_result(check: str, layer: int, rows: list[dict], anchor: dict | None,
+                       tolerance_from: str, **extra: Any) -> dict:
+    """The result of a positional check: its rows, their worst error / relative error / ratio
+    (NaN-keeping), and ok when every row and the anchor pass."""
+    ok = all(r_["ok"] for r_ in rows) and (anchor is None or anchor["ok"])
+    return {"check": check, "layer": int(layer), **extra, "rows": rows,
+            "err_max": worst(r_["err_max"] for r_ in rows),
+            "rel_max": worst(r_["rel"] for r_ in rows),
+            "ratio_max": worst(r_["ratio"] for r_ in rows),
+            "tolerance_from": tolerance_from, "anchor": anchor, "ok": ok}
+
+
 def position_derivative(model: Any, layer: int, x: Any, positions: Any, queries: Sequence[int],
                         *, heads: Any = None,
                         head: tuple[HeadSpec, HeadWeights] | None = None) -> dict:
@@ -972,15 +984,9 @@ def position_derivative(model: Any, layer: int, x: Any, positions: Any, queries:
                          "tol_max": worst(tol_h[h]), "ratio": worst(ratio),
                          "derivative_max": float(an_h[h].abs().max()),
                          "ok": within(ratio, 1.0)})
-    anchor = _anchor(att, pos, heads, mdt)
-    ok = all(r_["ok"] for r_ in rows) and (anchor is None or anchor["ok"])
-    return {"check": "position_derivative", "layer": int(layer), "rows": rows,
-            "err_max": worst(r_["err_max"] for r_ in rows),
-            "rel_max": worst(r_["rel"] for r_ in rows),
-            "ratio_max": worst(r_["ratio"] for r_ in rows),
-            "tolerance_from": ("per component: tolerances.central_difference_abs(h, B3, eps_y) + "
-                               "eps_d, eps = tolerances.position_eval_abs; ok when err/tol <= 1"),
-            "anchor": anchor, "ok": ok}
+    return _positional_result("position_derivative", layer, rows, _anchor(att, pos, heads, mdt),
+                              "per component: tolerances.central_difference_abs(h, B3, eps_y) + "
+                              "eps_d, eps = tolerances.position_eval_abs; ok when err/tol <= 1")
 
 
 def position_shift(model: Any, layer: int, x: Any, positions: Any, queries: Sequence[int],
@@ -1040,12 +1046,6 @@ def position_shift(model: Any, layer: int, x: Any, positions: Any, queries: Sequ
                              "difference_max": float(D_m.abs().max()),
                              "tol_max": worst(torch.as_tensor(tol)), "ratio": worst(ratio),
                              "ok": within(ratio, 1.0)})
-    anchor = _anchor(att, pos, heads, mdt)
-    ok = all(r_["ok"] for r_ in rows) and (anchor is None or anchor["ok"])
-    return {"check": "position_shift", "layer": int(layer), "deltas": ds_, "rows": rows,
-            "err_max": worst(r_["err_max"] for r_ in rows),
-            "rel_max": worst(r_["rel"] for r_ in rows),
-            "ratio_max": worst(r_["ratio"] for r_ in rows),
-            "tolerance_from": ("per component: 2 tolerances.position_eval_abs(N, d, m, max|v|, "
-                               "p_i + |delta|, B1); ok when err/tol <= 1"),
-            "anchor": anchor, "ok": ok}
+    return _positional_result("position_shift", layer, rows, _anchor(att, pos, heads, mdt),
+                              "per component: 2 tolerances.position_eval_abs(N, d, m, max|v|, "
+                              "p_i + |delta|, B1); ok when err/tol <= 1", deltas=ds_)

@@ -540,13 +540,19 @@ def write_rendered(out: str | os.PathLike, result: dict, render_md: Callable[[di
     there is something to draw (``result["layers"]``), ``render_figs(result, out/figures)``:
     atomically into ``out`` (:func:`write_report_dir`).  The atlas, heads and train-families
     commands write through this."""
-    def fill(tmp: Path) -> None:
-        (tmp / "report.json").write_text(dumps(result), encoding="utf-8")
-        (tmp / "report.md").write_text(render_md(result), encoding="utf-8")
-        if figures and render_figs is not None and result.get("layers"):
-            render_figs(result, tmp / "figures")
+    draw = render_figs if figures and result.get("layers") else None
+    return write_report_dir(out, lambda tmp: fill_rendered(tmp, result, render_md, draw))
 
-    return write_report_dir(out, fill)
+
+def fill_rendered(directory: Path, result: dict, render_md: Callable[[dict], str],
+                  render_figs: Callable[[dict, Path], Any] | None = None) -> None:
+    """Write ``report.json``, ``report.md`` and, with ``render_figs``, ``figures/`` into an
+    existing ``directory``: the files of :func:`write_rendered`, for a caller that builds the
+    directory itself (train-families adds its checkpoints)."""
+    (directory / "report.json").write_text(dumps(result), encoding="utf-8")
+    (directory / "report.md").write_text(render_md(result), encoding="utf-8")
+    if render_figs is not None:
+        render_figs(result, directory / "figures")
 
 
 def write_report(result: dict, out: str | os.PathLike, figures: bool = True) -> Path:

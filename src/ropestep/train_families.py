@@ -897,12 +897,11 @@ def render_figures(result: dict, out: Path) -> None:
 def write_report(result: dict, out: Path, *, figures: bool = True) -> None:
     """``report.json`` first, then ``report.md`` and ``figures/`` into ``out`` (which may
     already hold the checkpoints)."""
+    from .report import fill_rendered
+
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "report.json").write_text(dumps(result, indent=1) + "\n")
-    (out / "report.md").write_text(render_markdown(result))
-    if figures:
-        render_figures(result, out / "figures")
+    fill_rendered(out, result, render_markdown, render_figures if figures else None)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1009,16 +1008,9 @@ def main_args(args, argv: Sequence[str]) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m ropestep.train_families ...``; the same as ``ropestep train-families``."""
-    from .verdict import OneLineParser
+    from .verdict import module_main
 
-    argv = list(sys.argv[1:] if argv is None else argv)
-    p = OneLineParser(prog=PROG, description=(__doc__ or "").split("\n")[0])
-    add_arguments(p)
-    try:
-        args = p.parse_args(argv)
-    except SystemExit as stop:
-        return int(stop.code or 0)
-    return main_args(args, ["train-families", *argv])
+    return module_main("train-families", __doc__, add_arguments, main_args, argv)
 
 
 if __name__ == "__main__":

@@ -151,6 +151,22 @@ class OneLineParser(argparse.ArgumentParser):
         raise SystemExit(EXIT_INPUT)
 
 
+def module_main(command: str, doc: str | None, add_arguments: Any, main_args: Any,
+                argv: Iterable[str] | None = None) -> int:
+    """``python -m ropestep.<module> ...`` for a subcommand module: parse ``argv`` (default
+    ``sys.argv[1:]``) with its ``add_arguments`` under ``prog = "ropestep <command>"`` and hand
+    the result to its ``main_args(args, [command, *argv])``; ``--help`` exits 0, a usage error 2
+    (one line)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    p = OneLineParser(prog=f"ropestep {command}", description=(doc or "").split("\n")[0])
+    add_arguments(p)
+    try:
+        args = p.parse_args(argv)
+    except SystemExit as stop:
+        return int(stop.code or 0)
+    return main_args(args, [command, *argv])
+
+
 def exit_code(failures: Iterable[Any]) -> int:
     """:data:`EXIT_FAIL` when there is any failure, else :data:`EXIT_PASS`."""
     return EXIT_FAIL if any(True for _ in failures) else EXIT_PASS
