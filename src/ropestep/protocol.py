@@ -27,6 +27,8 @@ violated reuse bound, a frozen cross-check or refresh identity outside the float
 """
 from __future__ import annotations
 
+import concurrent.futures
+import concurrent.futures.process
 import contextlib
 import functools
 import math
@@ -161,8 +163,8 @@ def parse_indices(text: str | Sequence[int], n: int, what: str) -> list[int]:
         try:
             items = [int(x) for x in t.split(",") if x.strip() != ""]
         except ValueError:
-            raise ProtocolError(f"--{what}s must be 'all' or comma-separated integers, got {text!r}") \
-                from None
+            raise ProtocolError(f"--{what}s must be 'all', 'last' or comma-separated integers, got "
+                                f"{text!r}") from None
     if not items:
         raise ProtocolError(f"no {what}s given")
     bad = [i for i in items if not 0 <= i < n]
@@ -568,12 +570,11 @@ POSITIONAL_QUERIES = 3  # prefix tokens per context for d y/d p and the exact sh
 
 
 def real_checks(model: Any, spec, weights, cap: ContextCapture, layer: int, context: int,
-                seed: int, exact_queries: Sequence[tuple[int, int]] = (), *,
-                claims: bool = True) -> dict:
+                seed: int, *, claims: bool = True) -> dict:
     """:mod:`ropestep.realchecks` on one context at one layer (docs/math.md sections 1, 3, 5, 7).
     Always (every context of a run): ``positive_coefficients``, ``min c_ij > 0`` over every
-    head, candidate and bank key, and ``exact_rows`` when the oracle sample has rows in this
-    context.  With ``claims`` (the run's first context, once per layer run):
+    head, candidate and bank key.  With ``claims`` (the run's first context, once per layer
+    run):
 
     * ``conventions``: the model's own projections, ``apply_rotary_pos_emb`` and ``repeat_kv``
       against ropestep's head description, on the bank;
@@ -584,8 +585,8 @@ def real_checks(model: Any, spec, weights, cap: ContextCapture, layer: int, cont
     * ``position_derivative`` / ``position_shift``: ``d y_i / d p_i`` by the RoPE generator and
       ``y_i(p_i + delta) - y_i(p_i)`` through ``phi_1(delta A)`` against the model's own attention
       at shifted position ids, on seeded prefix tokens;
-    * ``exact_rows``: the float64 fast path against the mpmath oracle (50 digits) on the given
-      ``(head, query)`` rows of the block's causal prefix (queries in :data:`EXACT_BANK`).
+
+    The oracle rows (``exact_rows``) are :func:`oracle_job`'s, which :func:`run` schedules.
     """
     from . import realchecks as rc
 
@@ -598,10 +599,6 @@ def real_checks(model: Any, spec, weights, cap: ContextCapture, layer: int, cont
     out = {"context": context,
            "positive_coefficients": rc.positive_coefficients(spec, weights, xq, pos_q, x_kv=xp,
                                                              pos_kv=pos_kv)}
-    if exact_queries:
-        t = time.perf_counter()
-        out["exact_rows"] = oracle_job(spec, weights, xp.numpy(), list(exact_queries))
-        out["exact_rows_seconds"] = time.perf_counter() - t
     if not claims:
         return out
     out["conventions"] = rc.conventions(model, layer, xp, pos_kv, head=head)
@@ -625,42 +622,37 @@ def oracle_job(spec, weights, x_prefix: np.ndarray, rows: Sequence[tuple[int, in
     (mpmath is single-threaded pure Python; the torch passes release the interpreter)."""
     from . import realchecks as rc
 
-    torch.set_num_threads(1)
     n = max(i for _, i in rows) + 1
     return rc.exact_rows(spec, weights, torch.as_tensor(x_prefix[:n]), np.arange(n), list(rows))
 
 
+def _oracle_worker_init() -> None:
+    torch.set_num_threads(1)  # the side process: mpmath, beside the main process's torch
+
+
 class _OraclePool:
     """At most one side process for the oracle rows (spawned: no fork of a threaded torch);
-    ``inline=True`` (or no rows) computes them in this process instead."""
+    ``inline=True`` (or no rows) computes them in this process instead (a finished future)."""
 
     def __init__(self, needed: bool, inline: bool = False):
         self.pool = None
         if needed and not inline:
-            import concurrent.futures
             import multiprocessing
 
             self.pool = concurrent.futures.ProcessPoolExecutor(
-                max_workers=1, mp_context=multiprocessing.get_context("spawn"))
+                max_workers=1, mp_context=multiprocessing.get_context("spawn"),
+                initializer=_oracle_worker_init)
 
-    def submit(self, *args: Any) -> Any:
-        if self.pool is None:
-            t = time.perf_counter()
-            res = oracle_job(*args)
-            return _Done(res, time.perf_counter() - t)
-        return self.pool.submit(oracle_job, *args)
+    def submit(self, *args: Any) -> concurrent.futures.Future:
+        if self.pool is not None:
+            return self.pool.submit(oracle_job, *args)
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        done.set_result(oracle_job(*args))
+        return done
 
     def close(self) -> None:
         if self.pool is not None:
             self.pool.shutdown(wait=True, cancel_futures=True)
-
-
-class _Done:
-    def __init__(self, value: Any, seconds: float):
-        self.value, self.seconds = value, seconds
-
-    def result(self) -> Any:
-        return self.value
 
 
 def exact_sample(n_contexts: int, n_heads: int, prefix_len: int, k: int, seed: int
@@ -1109,7 +1101,7 @@ def run(cfg: Config, *, progress: bool = True, command: Sequence[str] | None = N
     oracle_rows = exact_sample(len(blocks), info.n_heads, cfg.prefix_len, cfg.exact_rows, cfg.seed)
     t_cap = t_eval = t_fwd = t_real = t_exact = t_inline = 0.0
     oracle = _OraclePool(bool(oracle_rows), inline=os.environ.get("ROPESTEP_ORACLE_INLINE") == "1")
-    pending: list[tuple[int, int, Any]] = []  # (layer, index into real[layer], future)
+    pending: list[tuple[int, int, tuple, Any]] = []  # (layer, index in real[layer], job, future)
     bar = _progress(len(blocks), progress, f"{Path(prov['source']).name} L={cfg.prefix_len}")
     try:
         for c, blk in enumerate(blocks):
@@ -1126,10 +1118,9 @@ def run(cfg: Config, *, progress: bool = True, command: Sequence[str] | None = N
                 spec, w = specs[L]
                 if oracle_rows.get(c):
                     t = time.perf_counter()
-                    fut = oracle.submit(spec, w, cap.prefix[L].x.double().numpy(),
-                                        oracle_rows[c])
+                    job = (spec, w, cap.prefix[L].x.double().numpy(), oracle_rows[c])
+                    pending.append((L, len(real[L]), job, oracle.submit(*job)))
                     t_inline += time.perf_counter() - t
-                    pending.append((L, len(real[L]), fut))
                 t = time.perf_counter()
                 real[L].append(real_checks(model, spec, w, cap, L, c, cfg.seed,
                                            claims=(c == 0)))
@@ -1139,8 +1130,13 @@ def run(cfg: Config, *, progress: bool = True, command: Sequence[str] | None = N
                 bar.update(1)
         # the oracle rows: what is still running once the torch work is done is waited for here
         t = time.perf_counter()
-        for L, k, fut in pending:
-            real[L][k]["exact_rows"] = fut.result()
+        for L, k, job, fut in pending:
+            try:
+                real[L][k]["exact_rows"] = fut.result()
+            except concurrent.futures.process.BrokenProcessPool:
+                # the side process could not run (a starved or restricted machine): the same
+                # rows in this process, never a skipped check
+                real[L][k]["exact_rows"] = oracle_job(*job)
         t_exact = t_inline + time.perf_counter() - t
     finally:
         oracle.close()
