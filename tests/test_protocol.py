@@ -588,3 +588,28 @@ def test_smollm2_full_committed_setup(tmp_path, request):
         b = c["layers"]["29"]["reuse"]["combined"]["predictors"]
         for k in a:
             assert a[k]["mse"]["anchor0"] == pytest.approx(b[k]["mse"]["anchor0"], rel=1e-6)
+
+
+def test_oracle_side_process_leaves_the_callers_tensors_in_place():
+    """Handing a job to the oracle's side process must not touch the caller's tensors: the main
+    thread goes on reading the same weights while the pool's feeder thread sends the job.
+    (torch's multiprocessing pickler moves a tensor's storage into shared memory in place; a
+    job handed over as tensors raced with the conventions check and failed it in CI.)"""
+    g = torch.Generator().manual_seed(3)
+    m, H, d, N = 4, 1, 2, 3
+    spec = HeadSpec(n_heads=H, n_kv_heads=H, head_dim=d, rope=RoPESpec(base=100.0))
+    w = HeadWeights(w_q=torch.randn(m, H, d, generator=g, dtype=torch.float64),
+                    w_k=torch.randn(m, H, d, generator=g, dtype=torch.float64),
+                    w_v=torch.randn(m, H, d, generator=g, dtype=torch.float64))
+    ptrs = {k: getattr(w, k).data_ptr() for k in ("w_q", "w_k", "w_v")}
+    x = torch.randn(N, m, generator=g, dtype=torch.float64).numpy()
+    pool = protocol._OraclePool(True)
+    try:
+        got = pool.submit(spec, w, x, [(0, 2)]).result(timeout=300)
+    finally:
+        pool.close()
+    for k, p in ptrs.items():
+        t = getattr(w, k)
+        assert t.data_ptr() == p and not t.is_shared(), f"{k} was moved by the hand-over"
+    inline = protocol.oracle_job(spec, w, x, [(0, 2)])
+    assert got["ok"] and got["y_rel_max"] == inline["y_rel_max"]

@@ -33,6 +33,7 @@ import contextlib
 import functools
 import math
 import os
+import pickle
 import platform
 import sys
 import time
@@ -630,6 +631,10 @@ def _oracle_worker_init() -> None:
     torch.set_num_threads(1)  # the side process: mpmath, beside the main process's torch
 
 
+def _oracle_job_from_bytes(blob: bytes) -> dict:
+    return oracle_job(*pickle.loads(blob))
+
+
 class _OraclePool:
     """At most one side process for the oracle rows (spawned: no fork of a threaded torch);
     ``inline=True`` (or no rows) computes them in this process instead (a finished future)."""
@@ -645,7 +650,13 @@ class _OraclePool:
 
     def submit(self, *args: Any) -> concurrent.futures.Future:
         if self.pool is not None:
-            return self.pool.submit(oracle_job, *args)
+            # Serialised here, by the plain pickler, which copies tensors.  Handed over as they
+            # are, the pool's feeder thread would pickle them with torch's multiprocessing
+            # reductions, which move each tensor's storage into shared memory in place -- while
+            # this thread goes on reading the same weights: a race, which in CI let the
+            # conventions check read a W_q in mid-move and fail by 0.6%.
+            return self.pool.submit(_oracle_job_from_bytes,
+                                    pickle.dumps(args, protocol=pickle.HIGHEST_PROTOCOL))
         done: concurrent.futures.Future = concurrent.futures.Future()
         done.set_result(oracle_job(*args))
         return done
