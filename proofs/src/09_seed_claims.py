@@ -317,45 +317,86 @@ claim("Cosine-RoPE", "59,617 chunks of 128 tokens, 61MB total", "arithmetic",
 # %% [markdown]
 # ### A15–A20. What only a training run (or nothing here) can decide
 #
-# The learned temperatures are read from `validation/families/report.json` when that report
-# exists (`ropestep train-families --out validation/families` produces it):
+# The learned temperatures are read from the committed training runs: the document's length,
+# `validation/families-2000/` (`ropestep train-families --steps 2000 --out
+# validation/families-2000`), when it exists, else the default 500-step run
+# `validation/families/` (`ropestep train-families --out validation/families`):
 # `variants.cosine.tau_initial` / `tau_final` (one list of head temperatures per layer) and
 # `steps_done`.  The document's claim is about 2000 steps: τ ends in $[4.8, 5.2]$ in every head,
-# every head below $\sqrt{32}$.  A run of the same length decides it; a shorter run can only
-# show the direction (every head below its initial value), so the claim then stays open with
-# that evidence.
+# every head below $\sqrt{32}$.  A run of the same length decides it *for our setup* (the
+# bundled corpus and SmolLM2's tokenizer, batch 2 × 128 tokens; the document trained on MiniPile
+# with a batch size it does not state); a shorter run can only show the direction (every head
+# below its initial value), so the claim then stays open with that evidence.
 
 # %%
 DOC_STEPS = 2000
 FAMILIES_CMD = "ropestep train-families --out validation/families"
-families = read_report("families")
+RUNS = (("families-2000", f"ropestep train-families --steps {DOC_STEPS} --out validation/families-2000"),
+        ("families", FAMILIES_CMD))
+families, fam_name, fam_cmd = None, "families", FAMILIES_CMD
+for name, cmd in RUNS:
+    rep = read_report(name)
+    if rep is not None and "tau_final" in rep.get("variants", {}).get("cosine", {}):
+        families, fam_name, fam_cmd = rep, name, cmd
+        break
 cos = None if families is None else families.get("variants", {}).get("cosine")
 if cos is None or "tau_final" not in cos:
-    tau_verdict, tau_evidence = "open", (f"validation/families/report.json with a cosine run does not exist "
-                                         f"yet; `{FAMILIES_CMD}` produces it")
+    tau_verdict, tau_evidence = "open", (f"no committed training run with a cosine variant; "
+                                         f"`{RUNS[0][1]}` produces one")
 else:
     init = np.array(cos["tau_initial"], dtype=float).ravel()
     vals = np.array(cos["tau_final"], dtype=float).ravel()
     steps = int(cos["steps_done"])
     down = int(np.sum(vals < init))
     in_band = bool(np.all((vals >= 4.8) & (vals <= 5.2)))
-    tau_evidence = (f"{len(vals)} heads after {steps} steps (validation/families/report.json): tau "
+    tau_evidence = (f"{len(vals)} heads after {steps} steps (validation/{fam_name}/report.json, "
+                    f"`{fam_cmd}`): tau "
                     f"{vals.min():.3f}-{vals.max():.3f} from {init.min():.3f}; {down} of {len(vals)} moved "
                     f"down; {'all' if in_band else 'not all'} in [4.8, 5.2]")
     if steps >= DOC_STEPS:
         tau_verdict = "holds" if (in_band and down == len(vals)) else "fails"
+        tau_evidence += (" -- at the document's length, on our data and batch (the bundled corpus, "
+                         f"{families['config']['batch']} x {families['config']['seq']} tokens a step; the "
+                         "document: MiniPile, batch not stated)")
     else:
         tau_verdict = "open"
         tau_evidence += (f" -- a {steps}-step run against the document's {DOC_STEPS}: the direction "
                          f"{'matches' if down == len(vals) else 'does not match'}, the end value is not "
-                         f"reached at this budget (`{FAMILIES_CMD} --steps {DOC_STEPS}` decides it)")
+                         f"reached at this budget (`{RUNS[0][1]}` decides it)")
 print(tau_verdict, "-", tau_evidence)
 
 claim("Cosine-RoPE", "after 2000 steps tau converged to 4.8-5.2 in every head; every head drifted downward "
       "and the heads stayed in a narrow band", "by the training run", tau_verdict, tau_evidence)
-claim("Cosine-RoPE", "the loss curves of Cosine-RoPE and standard attention nearly coincide (no regression)",
-      "by the training run", "open",
-      f"a comparison of training losses; `{FAMILIES_CMD}` trains the families, this notebook does not")
+# %% [markdown]
+# "The loss curves nearly sat on top of each other for the 2000 steps" is qualitative.  We read it
+# as: at every validation point of a run of the document's length, the cosine model's held-out
+# loss lies within 5 % (relative) of the standard model's -- our reading of "nearly identical",
+# stated here, not a derived tolerance.  The evidence prints the measured worst gap, so a
+# reader with another threshold can judge for themselves.
+
+# %%
+LOSS_GAP = 0.05  # our reading of "nearly identical" (see above)
+std_run = None if families is None else families.get("variants", {}).get("standard")
+if cos is None or std_run is None or int(cos["steps_done"]) < DOC_STEPS:
+    loss_verdict, loss_evidence = "open", (f"needs both curves over {DOC_STEPS} steps; `{RUNS[0][1]}` "
+                                           "produces them")
+else:
+    vs = {r["step"]: r["loss"] for r in std_run["val_loss"]}
+    vc = {r["step"]: r["loss"] for r in cos["val_loss"]}
+    common = sorted(set(vs) & set(vc))
+    gaps = [abs(vc[k] - vs[k]) / vs[k] for k in common]
+    k_worst = common[int(np.argmax(gaps))]
+    loss_verdict = "holds" if max(gaps) <= LOSS_GAP else "fails"
+    loss_evidence = (f"validation/{fam_name}/report.json: held-out loss at {len(common)} points, worst "
+                     f"relative gap {max(gaps):.3f} at step {k_worst} (standard {vs[k_worst]:.3f}, cosine "
+                     f"{vc[k_worst]:.3f}); at step {common[-1]} standard {vs[common[-1]]:.3f}, cosine "
+                     f"{vc[common[-1]]:.3f}; threshold {LOSS_GAP:.0%} (our reading of 'nearly identical'). "
+                     f"Not equal: cosine is above standard at {sum(vc[k] > vs[k] for k in common)} of "
+                     f"{len(common)} points, by {vc[common[-1]] - vs[common[-1]]:.3f} nats at the end")
+print(loss_verdict, "-", loss_evidence)
+claim("Cosine-RoPE", "the loss curves of Cosine-RoPE and standard attention nearly sat on top of each other "
+      "for the 2000 steps (nearly identical, small difference)",
+      "by the training run", loss_verdict, loss_evidence)
 claim("Cosine-RoPE", "dot-product magnitude causes attention sinks, magnitude explosion and dying heads",
       "not checkable here", "open",
       "causal claim about training dynamics; sinks are measured in validation/atlas-smollm2 but not "
@@ -605,6 +646,7 @@ assert all(abs(r[2] - r[1] / (dh // 2 - 1)) < 1e-12 for r in sketch_rows)  # the
 assert band_gap < 1e-12 and ph_err < 1e-12 and tables_refused and norm_rot_gap < 1e-14
 assert tau_verdict in ("holds", "fails", "open")
 assert cos is None or tau_verdict != "open" or int(cos["steps_done"]) < DOC_STEPS
+assert cos is None or std_run is None or loss_verdict != "open" or int(cos["steps_done"]) < DOC_STEPS
 assert all(r is not None for r in HEADS.values()), "run: " + "; ".join(HEADS_CMD.values())
 assert len(CLAIMS) >= 25 and sum(counts.values()) == len(CLAIMS)
 print("all assertions passed")
