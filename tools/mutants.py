@@ -389,6 +389,9 @@ _CPU_TABLES = (_CPU + "; on CUDA the model-table branch would leave the tables o
                "layer_head spec, as in tests/models/test_adapter.py)")
 _CPU_FAST = (_CPU + "; fast.step on CUDA is not exercised by any test (proposal: a CUDA variant of "
              "tests/test_fast_vs_exact.py::test_float64_matches_exact)")
+_CPU_HEADS = (_CPU + "; with CUDA weights (a per-head-base module built on a CUDA model) the "
+              "mutant would leave this tensor on the CPU and the next operation would raise -- "
+              "an error, never a wrong number; no test runs the weight diagnostics on CUDA")
 _CPU_NUMPY = ("np.asarray of a CPU tensor is a view of the same float64 values, so tensors and "
               "arrays give the same tables; layer_head keeps the tables on the CPU even for a "
               "CUDA layer, so no device tensor ever reaches np.asarray here")
@@ -427,6 +430,9 @@ EQUIVALENT: tuple[Equivalence, ...] = (
     Equivalence("rope.rope_frequencies", "ell = torch.arange(head_dim // 2", "head_dim / 2",
                 "head_dim is even (spec validation), so head_dim / 2 is a whole number and "
                 "arange gives the same float64 values"),
+    Equivalence("rope.barycenter", "/ (d // 2 - 1)", "/ (d / 2 - 1)",
+                "d is even (frequency_index refuses odd d first), so d / 2 - 1 is the same "
+                "whole number as a float, and the float64 quotient is the same"),
     # device placement (CPU-only equivalence)
     Equivalence("kernel.augment", "device=x.device)), dim=-1)", "device=None)), dim=-1)",
                 _CPU_FAST),
@@ -446,6 +452,14 @@ EQUIVALENT: tuple[Equivalence, ...] = (
     Equivalence("rope.rope_cos_sin", "if not torch.is_tensor(spec.rope.", ") or True", _CPU_NUMPY),
     Equivalence("rope.rope_cos_sin", "if not torch.is_tensor(spec.rope.", "torch.is_tensor(None)",
                 _CPU_NUMPY),
+    Equivalence("rope.band_energy", "ell = frequency_index(d, layout).to(w.device)", ".to(None)",
+                _CPU_HEADS),
+    Equivalence("rope.band_energy", "torch.zeros(d // 2, dtype=torch.float64, device=w.device)",
+                "device=None)", _CPU_HEADS),
+    Equivalence("rope.band_energy", "torch.zeros(d // 2, dtype=torch.float64, device=w.device)",
+                "dtype=torch.float64, )", _CPU_HEADS),
+    Equivalence("rope.barycenter", "pos = frequency_index(d, layout).to(torch.float64).to(imp.device)",
+                ".to(torch.float64).to(None)", _CPU_HEADS),
     Equivalence("rope.rope_cos_sin", "ang = pos.to(torch.float64)", "pos.to(None)",
                 "int64 positions times float64 frequencies promote to float64: the same angles "
                 "(positions are far below 2^53)"),
