@@ -4,9 +4,10 @@ written here from their definitions, not from the code: ``frequency_index``, ``b
 
 Oracles: the RoPE pair of head dimension ``c`` is ``c mod d/2`` (``"half"``) or ``c // 2``
 (``"interleaved"``), written as Python integers; energies and importances are evaluated by mpmath
-at 40 digits on the very same (float32 or float64) weights.  The tolerances are float64 rounding
-bounds derived per function below, with ``u = 2^-53``; float32 inputs make a computation that
-stays in float32 miss them by orders of magnitude (float32's ``u`` is ``2^-24``).
+at 40 digits on the very same (float32 or float64) weights.  The tolerances are
+``tolerances.nonnegative_ops_rel`` with the operation counts derived below (every operand is
+non-negative: nothing cancels) and ``tolerances.exp_of_sum_rel``; float32 inputs make a computation
+that stays in float32 miss them by orders of magnitude.
 """
 from __future__ import annotations
 
@@ -18,13 +19,20 @@ import pytest
 import torch
 
 from ropestep import rope
+from ropestep import tolerances as tl
 
-U64 = 2.0 ** -53
 LAYOUTS = ("half", "interleaved")
 
 
 def pair_of(c: int, d: int, layout: str) -> int:
     return c % (d // 2) if layout == "half" else c // 2
+
+
+def rel(got: float, want) -> float:
+    """``|got - want| / want`` evaluated in mpmath (the oracle is never rounded to float64 first,
+    which would add up to one more ulp)."""
+    with mp.workdps(40):
+        return float(abs(mp.mpf(got) - want) / abs(want))
 
 
 def weights(m: int, d: int, seed: int, dtype=torch.float64, scale: float = 1.0) -> torch.Tensor:
@@ -64,6 +72,12 @@ def band_energy_oracle(w: torch.Tensor, layout: str) -> list:
         return out
 
 
+def band_energy_ops(m: int) -> int:
+    """Roundings on any one term's path to ``E_l``: its square, at most ``m - 1`` additions
+    within its column, one addition of the pair's two columns."""
+    return m + 1
+
+
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("m, d", [(3, 8), (5, 4), (2, 12)])
@@ -72,10 +86,9 @@ def test_band_energy_against_the_oracle(m, d, layout, dtype):
     got = rope.band_energy(w, layout)
     assert got.dtype == torch.float64 and got.shape == (d // 2,)
     want = band_energy_oracle(w, layout)
-    # 2m non-negative float64 terms, each squared once (u) and summed ((2m - 1) u, Wilkinson):
-    # relative error <= 2m u per pair
+    tol = tl.nonnegative_ops_rel(band_energy_ops(m))
     for ell in range(d // 2):
-        assert abs(float(got[ell]) - float(want[ell])) <= 2 * m * U64 * float(want[ell]), ell
+        assert rel(float(got[ell]), want[ell]) <= tol, ell
 
 
 def test_band_energy_of_one_pair_is_one_hot():
@@ -106,12 +119,16 @@ def barycenter_oracle(w_q: torch.Tensor, w_k: torch.Tensor, layout: str):
         return mp.fsum(a * b for a, b in zip(imp, pos)) / mp.fsum(imp)
 
 
+def barycenter_ops(m: int, d: int) -> int:
+    """Roundings behind ``t``: an importance takes ``m + 1`` per norm (squares, ``m - 1``
+    additions, the root) and one to add the two norms; the numerator one more for the position
+    ``l / (d/2 - 1)``, one for the product and ``d - 1`` additions (``m + d + 3``); the
+    denominator ``d - 1`` additions (``m + d + 1``); the quotient one: ``2m + 2d + 5``."""
+    return 2 * m + 2 * d + 5
+
+
 def barycenter_tol(m: int, d: int) -> float:
-    """Each norm: m squares and m - 1 additions, then a square root: <= (m + 1) u relative; the
-    importance adds one more rounding; the position l / (d/2 - 1) one; the two weighted sums of d
-    non-negative terms (d - 1) u plus a product each; the quotient one: in all <= (m + 2d + 4) u
-    relative to t (every term is non-negative, so no cancellation)."""
-    return (m + 2 * d + 4) * U64
+    return tl.nonnegative_ops_rel(barycenter_ops(m, d))
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
@@ -123,14 +140,14 @@ def test_barycenter_against_the_oracle(m, d, layout, dtype):
     got = rope.barycenter(w_q, w_k, layout)
     want = barycenter_oracle(w_q, w_k, layout)
     assert isinstance(got, float) and 0.0 < got < 1.0
-    assert abs(got - float(want)) <= barycenter_tol(m, d) * float(want)
+    assert rel(got, want) <= barycenter_tol(m, d)
 
 
 def test_barycenter_of_small_weights_and_of_the_extreme_pairs():
     # a head with tiny weights (total importance far below 1) is a head like any other
     w_q, w_k = weights(3, 8, seed=1, scale=1e-4), weights(3, 8, seed=2, scale=1e-4)
-    assert abs(rope.barycenter(w_q, w_k, "half") - float(barycenter_oracle(w_q, w_k, "half"))) \
-        <= barycenter_tol(3, 8) * float(barycenter_oracle(w_q, w_k, "half"))
+    assert rel(rope.barycenter(w_q, w_k, "half"), barycenter_oracle(w_q, w_k, "half")) \
+        <= barycenter_tol(3, 8)
     # all energy in the fastest pair: t = 0; in the slowest: t = 1 (both layouts)
     for layout, (fast, slow) in (("half", ((0, 4), (3, 7))), ("interleaved", ((0, 1), (6, 7)))):
         for cols, t in ((fast, 0.0), (slow, 1.0)):
@@ -164,19 +181,19 @@ def test_barycenter_refusals():
 # ---------------------------------------------------------------------------------------------
 # barycenter_base: b(t) = b_min^(1 - t) b_max^t
 # ---------------------------------------------------------------------------------------------
-def base_tol(base_min: float, base_max: float) -> float:
-    """exp(x) with x = (1 - t) log b_min + t log b_max: the two logs, the subtraction, the two
-    products and the sum leave x within 6 u max|log b| of its exact value, so b within that
-    relatively (d exp(x) = exp(x) dx), plus exp's own rounding and the subtraction 1 - t."""
-    lmax = max(abs(math.log(base_min)), abs(math.log(base_max)))
-    return (6 * lmax + 2) * U64
+def base_tol(t: float, base_min: float, base_max: float) -> float:
+    """``exp`` of the two-term sum ``(1 - t) log b_min + t log b_max``:
+    :func:`ropestep.tolerances.exp_of_sum_rel` of its absolute terms.  Each term carries the
+    log's <= 4 ulp, the product's and ``1 - t``'s rounding (6 ulp), the sum one more and ``exp``
+    its own: 9 ulp of the absolute sum, within the function's ``(2 + 8) u``."""
+    return tl.exp_of_sum_rel((1 - t) * abs(math.log(base_min)) + t * abs(math.log(base_max)), 2)
 
 
 @pytest.mark.parametrize("t", [0.0, 0.1, 0.25, 0.5, 0.9, 1.0])
 def test_barycenter_base_defaults_are_1e3_and_1e6(t):
     got = rope.barycenter_base(t)  # the defaults: the document's [1e3, 1e6]
     want = mp.power(10, 3 + 3 * mp.mpf(t))
-    assert abs(got / float(want) - 1.0) <= base_tol(1e3, 1e6)
+    assert rel(got, want) <= base_tol(t, 1e3, 1e6)
 
 
 @pytest.mark.parametrize("lo, hi", [(1e3, 1e6), (0.5, 4.0), (1e4, 1e4), (2.0, 3e7)])
@@ -185,7 +202,7 @@ def test_barycenter_base_is_the_geometric_interpolation(lo, hi, t):
     got = rope.barycenter_base(t, lo, hi)
     with mp.workdps(40):
         want = mp.power(mp.mpf(lo), 1 - mp.mpf(t)) * mp.power(mp.mpf(hi), mp.mpf(t))
-    assert abs(got / float(want) - 1.0) <= base_tol(lo, hi)
+    assert rel(got, want) <= base_tol(t, lo, hi)
 
 
 def test_barycenter_base_refusals():

@@ -881,6 +881,37 @@ def check_central_difference_abs():
 
 
 # ---------------------------------------------------------------------------------------------
+# the frequency-axis diagnostics: nonnegative_ops_rel
+# ---------------------------------------------------------------------------------------------
+@functools.lru_cache(maxsize=None)
+def nonnegative_ops_cases() -> tuple:
+    """``(relative error, operation count)`` of ``rope.band_energy`` (every pair) and
+    ``rope.barycenter`` on 400 seeded small float64 heads (m = 1-3 rows, d = 4-8, both layouts)
+    against the mpmath oracles and operation counts of tests/test_rope_diagnostics.py.  Small
+    sizes make the count tight (m = 1: a square and one addition)."""
+    import test_rope_diagnostics as rd
+    from ropestep import rope
+
+    out = []
+    for seed in range(400):
+        g = torch.Generator().manual_seed(seed)
+        m, d, lay = 1 + seed % 3, (4, 6, 8)[(seed // 3) % 3], rd.LAYOUTS[seed % 2]
+        w_q = torch.randn(m, d, generator=g, dtype=F64)
+        w_k = torch.randn(m, d, generator=g, dtype=F64)
+        got, want = rope.band_energy(w_q, lay), rd.band_energy_oracle(w_q, lay)
+        out += [(rd.rel(float(got[ell]), want[ell]), rd.band_energy_ops(m))
+                for ell in range(d // 2)]
+        out.append((rd.rel(rope.barycenter(w_q, w_k, lay), rd.barycenter_oracle(w_q, w_k, lay)),
+                    rd.barycenter_ops(m, d)))
+    return tuple(out)
+
+
+def check_nonnegative_ops_rel():
+    r = max(e / tl.nonnegative_ops_rel(n) for e, n in nonnegative_ops_cases())
+    return assert_power("nonnegative_ops_rel", r, tl.SLACK_NONNEGATIVE_OPS_REL)
+
+
+# ---------------------------------------------------------------------------------------------
 # the list: every tolerance of the module, and what is exempt (with the reason)
 # ---------------------------------------------------------------------------------------------
 MODEL = pytest.mark.skipif(not HAVE_TRANSFORMERS, reason="needs transformers (the tiny model)")
@@ -918,6 +949,7 @@ TOLERANCES = [  # (name in ropestep.tolerances, "const" or "func", its power che
     ("rotated_projection_abs", "func", check_rotated_projection_abs),
     ("position_eval_abs", "func", check_position_eval_abs),
     ("central_difference_abs", "func", check_central_difference_abs),
+    ("nonnegative_ops_rel", "func", check_nonnegative_ops_rel),
 ]
 NEEDS_MODEL = {"LINEAR64_TOL", "CONT_ULPS_PER_BLOCK", "CAPTURE_DTYPE_REL"}
 
