@@ -48,6 +48,7 @@ from .kernel import augment
 from .provenance import portable_command, portable_config, portable_name
 from .rope import apply_rope
 from .spec import HeadSpec, HeadWeights
+from .verdict import input_error, output_and_threads_problem
 
 SCHEMA = "ropestep.atlas/1"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -838,15 +839,13 @@ def main_args(args, argv: Sequence[str]) -> int:
     prog = "ropestep atlas"
 
     def bad(err: BaseException) -> int:
-        sys.stderr.write(f"{prog}: error: {' '.join(str(err).split())}\n")
-        return 2
+        return input_error(prog, err)
 
     out = Path(args.out)
-    if out.exists() and not out.is_dir():
-        return bad(FileExistsError(f"--out {args.out!r} exists and is not a directory"))
+    problem = output_and_threads_problem(out, args.threads)
+    if problem is not None:
+        return bad(problem)
     if args.threads is not None:
-        if args.threads < 1:
-            return bad(ValueError(f"--threads must be >= 1, got {args.threads}"))
         torch.set_num_threads(args.threads)
     cfg = AtlasConfig(model=args.model, revision=args.revision, gguf=args.gguf,
                       corpus=args.corpus, contexts=args.contexts, length=args.length,

@@ -21,15 +21,10 @@ import sys
 import time
 from typing import Callable, Sequence
 
-from .verdict import EXIT_FAIL, EXIT_INPUT, EXIT_PASS, OneLineParser
+from .verdict import (EXIT_FAIL, EXIT_PASS, OneLineParser, input_error,
+                      output_and_threads_problem)
 
 _Parser = OneLineParser  # the name the commands used before verdict.py held it
-
-
-def _one_line(prog: str, err: BaseException) -> int:
-    msg = " ".join(str(err).split()) or type(err).__name__
-    sys.stderr.write(f"{prog}: error: {msg}\n")
-    return EXIT_INPUT
 
 
 # ---------------------------------------------------------------------------------------------
@@ -87,11 +82,10 @@ def cmd_validate(args: argparse.Namespace, argv: Sequence[str]) -> int:
     except ImportError:  # pragma: no cover
         load_errors = ()
     out = Path(args.out)
-    if out.exists() and not out.is_dir():
-        return _one_line(prog, FileExistsError(f"--out {args.out!r} exists and is not a directory"))
+    problem = output_and_threads_problem(out, args.threads)
+    if problem is not None:
+        return input_error(prog, problem)
     if args.threads is not None:
-        if args.threads < 1:
-            return _one_line(prog, ValueError(f"--threads must be >= 1, got {args.threads}"))
         import torch
 
         torch.set_num_threads(args.threads)
@@ -105,7 +99,7 @@ def cmd_validate(args: argparse.Namespace, argv: Sequence[str]) -> int:
     try:
         result = protocol.run(cfg, progress=not args.quiet, command=["ropestep", *argv])
     except (protocol.ProtocolError, corpus_mod.CorpusError, *load_errors) as err:
-        return _one_line(prog, err)
+        return input_error(prog, err)
     except FloatingPointError as err:  # the float64 evaluation met a NaN/inf: a failed check
         msg = " ".join(str(err).split())
         sys.stderr.write(f"{prog}: FAIL float64 evaluation: non-finite value [{msg}]; no report "
@@ -118,7 +112,7 @@ def cmd_validate(args: argparse.Namespace, argv: Sequence[str]) -> int:
     try:
         write_report(result, out, figures=not args.no_figures)
     except (FileExistsError, PermissionError) as err:
-        return _one_line(prog, err)
+        return input_error(prog, err)
     if not args.quiet:
         _summary(result, out, time.perf_counter() - t0)
     failures = result["verdict"]["failures"]

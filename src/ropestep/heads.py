@@ -61,7 +61,7 @@ import torch
 from . import rope
 from .provenance import model_files, portable_command, portable_name, sha256_file
 from .spec import HeadSpec, HeadWeights
-from .verdict import Failure, print_failures
+from .verdict import Failure, input_error, output_and_threads_problem, print_failures
 
 SCHEMA = "ropestep.heads/1"
 BASE_RANGE = (1e3, 1e6)  # the document's default [base_min, base_max]
@@ -653,14 +653,12 @@ def main_args(args, argv: Sequence[str]) -> int:
     prog = "ropestep heads"
 
     def bad(err: BaseException) -> int:
-        sys.stderr.write(f"{prog}: error: {' '.join(str(err).split())}\n")
-        return 2
+        return input_error(prog, err)
 
     out = Path(args.out)
-    if out.exists() and not out.is_dir():
-        return bad(FileExistsError(f"--out {args.out!r} exists and is not a directory"))
-    if args.threads < 1:
-        return bad(ValueError(f"--threads must be >= 1, got {args.threads}"))
+    problem = output_and_threads_problem(out, args.threads)
+    if problem is not None:
+        return bad(problem)
     threads = torch.get_num_threads()
     torch.set_num_threads(args.threads)
     try:

@@ -52,7 +52,8 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
-from .verdict import EXIT_FAIL, EXIT_INPUT, EXIT_PASS, Failure, num, print_failures, worst
+from .verdict import (EXIT_FAIL, EXIT_PASS, Failure, input_error, num,
+                      print_failures, worst)
 
 SCHEMA = "ropestep.sweep/1"
 PROG = "python -m ropestep.sweep"
@@ -425,7 +426,7 @@ def run(args: argparse.Namespace, argv: Sequence[str] | None = None, prog: str =
     try:
         check_args(args)
     except SweepInputError as err:  # the same on every rank: all exit 2 before any group
-        return _one_line(prog, err)
+        return input_error(prog, err)
     torch.set_num_threads(args.threads)
     if args.model is not None:
         from .protocol import quiet_libraries
@@ -435,7 +436,7 @@ def run(args: argparse.Namespace, argv: Sequence[str] | None = None, prog: str =
     try:
         rank, world, dev = init_distributed(args.backend, args.device)
     except (RuntimeError, ValueError) as err:
-        return _one_line(prog, err)
+        return input_error(prog, err)
     code: int | None = None
     synced = False  # every rank holds the verdict: all collectives are done
     try:
@@ -467,10 +468,6 @@ def run(args: argparse.Namespace, argv: Sequence[str] | None = None, prog: str =
     return code
 
 
-def _one_line(prog: str, err: BaseException) -> int:
-    msg = " ".join(str(err).split()) or type(err).__name__
-    sys.stderr.write(f"{prog}: error: {msg}\n")
-    return EXIT_INPUT
 
 
 def _decide(args: argparse.Namespace, argv: Sequence[str] | None, parts: list[dict],
@@ -481,7 +478,7 @@ def _decide(args: argparse.Namespace, argv: Sequence[str] | None, parts: list[di
 
     bad = [p for p in parts if "input_error" in p]
     if bad:
-        return _one_line(prog, SweepInputError(bad[0]["input_error"]))
+        return input_error(prog, SweepInputError(bad[0]["input_error"]))
     crashed = [p for p in parts if "crash" in p]
     if crashed:
         for p in crashed:
@@ -515,7 +512,7 @@ def _decide(args: argparse.Namespace, argv: Sequence[str] | None, parts: list[di
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(dumps(report, indent=1) + "\n")
     except OSError as err:
-        return _one_line(prog, SweepInputError(f"cannot write --out {str(args.out)!r}: {err}"))
+        return input_error(prog, SweepInputError(f"cannot write --out {str(args.out)!r}: {err}"))
     print(f"{prog}: {len(recs)} items on {world} process(es), max identity error "
           f"{num(report['max_rel'], '.2e')} (relative), "
           f"{'PASS' if not failures else f'FAIL ({len(failures)} failed checks)'} -> {args.out}")

@@ -77,7 +77,8 @@ import torch.nn.functional as F
 from . import heads as heads_mod
 from .families import CHECKPOINT_SCHEMA, VARIANTS, GPT, GPTConfig, check_gpt, load_checkpoint
 from .provenance import portable_command, portable_name, sha256_file
-from .verdict import Failure, dumps, num, print_failures, worst
+from .verdict import (Failure, dumps, input_error, num, output_and_threads_problem,
+                      print_failures, worst)
 
 SCHEMA = "ropestep.train_families/1"
 TOKENIZERS = ("smollm2", "bytes")
@@ -959,12 +960,12 @@ def main_args(args, argv: Sequence[str]) -> int:
     from .report import write_report_dir
 
     def bad(err: BaseException) -> int:
-        sys.stderr.write(f"{PROG}: error: {' '.join(str(err).split())}\n")
-        return 2
+        return input_error(PROG, err)
 
     out = Path(args.out)
-    if out.exists() and not out.is_dir():
-        return bad(FileExistsError(f"--out {args.out!r} exists and is not a directory"))
+    problem = output_and_threads_problem(out, None)  # --threads: check_config
+    if problem is not None:
+        return bad(problem)
     cfg = config_from_args(args)
     try:
         check_config(cfg)

@@ -151,6 +151,28 @@ class OneLineParser(argparse.ArgumentParser):
         raise SystemExit(EXIT_INPUT)
 
 
+def input_error(prog: str, err: BaseException) -> int:
+    """Bad input, said in one line on stderr (``<prog>: error: <message>``, whitespace folded,
+    the exception's type when it has no message); returns :data:`EXIT_INPUT`.  Every command's
+    handler reports its input errors through this."""
+    msg = " ".join(str(err).split()) or type(err).__name__
+    sys.stderr.write(f"{prog}: error: {msg}\n")
+    return EXIT_INPUT
+
+
+def output_and_threads_problem(out: Any, threads: int | None) -> ValueError | None:
+    """The input checks every report command shares, before any work: ``--out`` names a
+    directory or nothing yet, ``--threads`` (None: not given) is at least 1.  Returns the error
+    to report (:func:`input_error`), or None."""
+    from pathlib import Path
+
+    if Path(out).exists() and not Path(out).is_dir():
+        return FileExistsError(f"--out {str(out)!r} exists and is not a directory")
+    if threads is not None and threads < 1:
+        return ValueError(f"--threads must be >= 1, got {threads}")
+    return None
+
+
 def module_main(command: str, doc: str | None, add_arguments: Any, main_args: Any,
                 argv: Iterable[str] | None = None) -> int:
     """``python -m ropestep.<module> ...`` for a subcommand module: parse ``argv`` (default
