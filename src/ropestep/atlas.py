@@ -48,7 +48,7 @@ from .kernel import augment
 from .provenance import portable_command, portable_config, portable_name
 from .rope import apply_rope
 from .spec import HeadSpec, HeadWeights
-from .verdict import input_error, output_and_threads_problem
+from .verdict import device_problem, input_error, output_and_threads_problem
 
 SCHEMA = "ropestep.atlas/1"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -463,10 +463,9 @@ def check_config(cfg: AtlasConfig) -> None:
     if dev.startswith("mps"):
         raise AtlasError("--device mps has no float64, and the atlas's reference passes are "
                          "float64: use cpu or cuda")
-    if not (dev == "cpu" or dev.startswith("cuda")):
-        raise AtlasError(f"--device must be 'cpu' or 'cuda[:N]', got {dev!r}")
-    if dev.startswith("cuda") and not torch.cuda.is_available():
-        raise AtlasError("--device cuda requested but no CUDA device is available")
+    problem = device_problem(dev)
+    if problem is not None:
+        raise AtlasError(problem)
     if cfg.max_bytes < 1 << 20:
         raise AtlasError(f"--max-bytes must be at least 1 MiB, got {cfg.max_bytes}")
 

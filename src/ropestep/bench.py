@@ -61,7 +61,7 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
-from .verdict import (EXIT_FAIL, EXIT_INPUT, EXIT_PASS, Failure, least, loads, num,
+from .verdict import (EXIT_FAIL, EXIT_INPUT, EXIT_PASS, Failure, device_problem, least, loads, num,
                       print_failures, worst)
 
 SCHEMA = "ropestep.bench/1"
@@ -669,12 +669,9 @@ def check_args(args: argparse.Namespace) -> None:
     if args.threads is not None and args.threads < 1:
         raise BenchInputError(f"--threads must be >= 1, got {args.threads}")
     dev = str(args.device)
-    if not (dev == "cpu" or dev == "cuda" or (dev.startswith("cuda:") and dev[5:].isdigit())):
-        raise BenchInputError(f"--device must be 'cpu' or 'cuda[:N]', got {dev!r}")
-    import torch
-
-    if dev.startswith("cuda") and not torch.cuda.is_available():
-        raise BenchInputError("--device cuda requested but CUDA is not available")
+    problem = device_problem(dev)
+    if problem is not None:
+        raise BenchInputError(problem)
     if args.out is not None and Path(args.out).is_dir():
         raise BenchInputError(f"--out {str(args.out)!r} is a directory")
 

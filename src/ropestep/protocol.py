@@ -46,7 +46,7 @@ import torch
 
 from . import __version__, fast
 from . import reuse_stats as rs
-from .verdict import Failure, finite, least, worst
+from .verdict import Failure, device_problem, finite, least, worst
 from .provenance import model_files, portable_command, portable_config, portable_name
 from .corpus import Block, CorpusError, load_corpus, select_blocks, tokenizer_fn
 
@@ -190,10 +190,9 @@ def check_sizes(cfg: Config) -> None:
     if cfg.exact_rows < 0:
         raise ProtocolError(f"--exact-rows must be >= 0, got {cfg.exact_rows}")
     dev = str(cfg.device)
-    if not (dev == "cpu" or dev.startswith("cuda")):
-        raise ProtocolError(f"--device must be 'cpu' or 'cuda[:N]', got {dev!r}")
-    if dev.startswith("cuda") and not torch.cuda.is_available():
-        raise ProtocolError("--device cuda requested but no CUDA device is available")
+    problem = device_problem(dev)
+    if problem is not None:
+        raise ProtocolError(problem)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -52,7 +52,7 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
-from .verdict import (EXIT_FAIL, EXIT_PASS, Failure, input_error, num,
+from .verdict import (EXIT_FAIL, EXIT_PASS, Failure, device_problem, input_error, num,
                       print_failures, worst)
 
 SCHEMA = "ropestep.sweep/1"
@@ -362,8 +362,6 @@ def _config(args: argparse.Namespace) -> dict:
 
 def check_args(args: argparse.Namespace) -> None:
     """Model-independent checks of the options; :class:`SweepInputError` on bad input."""
-    import torch
-
     if any(n < 1 for n in args.contexts):
         raise SweepInputError(f"--contexts lengths must be >= 1, got {args.contexts}")
     _check_layers(args.layers)
@@ -389,10 +387,9 @@ def check_args(args: argparse.Namespace) -> None:
         if looks_local and not p.exists():
             raise SweepInputError(f"--model {args.model!r} does not exist")
     dev = str(args.device)
-    if not (dev == "cpu" or dev == "cuda" or (dev.startswith("cuda:") and dev[5:].isdigit())):
-        raise SweepInputError(f"--device must be 'cpu' or 'cuda[:N]', got {dev!r}")
-    if dev.startswith("cuda") and not torch.cuda.is_available():
-        raise SweepInputError("--device cuda requested but no CUDA device is available")
+    problem = device_problem(dev)
+    if problem is not None:
+        raise SweepInputError(problem)
     out = Path(args.out)
     if out.is_dir():
         raise SweepInputError(f"--out {str(out)!r} is a directory")

@@ -77,7 +77,7 @@ import torch.nn.functional as F
 from . import heads as heads_mod
 from .families import CHECKPOINT_SCHEMA, VARIANTS, GPT, GPTConfig, check_gpt, load_checkpoint
 from .provenance import portable_command, portable_name, sha256_file
-from .verdict import (Failure, dumps, input_error, num, output_and_threads_problem,
+from .verdict import (Failure, device_problem, dumps, input_error, num, output_and_threads_problem,
                       print_failures, worst)
 
 SCHEMA = "ropestep.train_families/1"
@@ -154,10 +154,9 @@ def check_config(cfg: TrainConfig) -> None:
     if not (0.0 < float(cfg.val_fraction) < 1.0):
         raise TrainError(f"--val-fraction must lie in (0, 1), got {cfg.val_fraction}")
     dev = str(cfg.device)
-    if not (dev == "cpu" or dev.startswith("cuda")):
-        raise TrainError(f"--device must be 'cpu' or 'cuda[:N]', got {dev!r}")
-    if dev.startswith("cuda") and not torch.cuda.is_available():
-        raise TrainError("--device cuda requested but no CUDA device is available")
+    problem = device_problem(dev)
+    if problem is not None:
+        raise TrainError(problem)
 
 
 def gpt_config(cfg: TrainConfig, variant: str, vocab_size: int) -> GPTConfig:

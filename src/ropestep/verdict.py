@@ -173,6 +173,20 @@ def output_and_threads_problem(out: Any, threads: int | None) -> ValueError | No
     return None
 
 
+def device_problem(device: Any) -> str | None:
+    """What is wrong with a ``--device`` argument, or None: it must be ``cpu``, ``cuda`` or
+    ``cuda:N``, and CUDA must then be available.  Each command raises it as its own input error."""
+    dev = str(device)
+    if not (dev in ("cpu", "cuda") or (dev.startswith("cuda:") and dev[5:].isdigit())):
+        return f"--device must be 'cpu' or 'cuda[:N]', got {dev!r}"
+    if dev.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            return "--device cuda requested but no CUDA device is available"
+    return None
+
+
 def module_main(command: str, doc: str | None, add_arguments: Any, main_args: Any,
                 argv: Iterable[str] | None = None) -> int:
     """``python -m ropestep.<module> ...`` for a subcommand module: parse ``argv`` (default
