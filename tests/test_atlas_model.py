@@ -56,6 +56,11 @@ def test_exit_codes(tiny_dir, tmp_path, monkeypatch, capsys):
     capsys.readouterr()
     assert atlas.main(_argv(str(tiny_dir), tmp_path / "bad3", "--device", "mps")) == 2
     assert "no float64" in capsys.readouterr().err  # a device without float64: said, not crashed
+    # a malformed device is refused before the process group is set up (it once reached
+    # torch.device() there and crashed with a traceback)
+    assert atlas.main(_argv(str(tiny_dir), tmp_path / "bad4", "--device", "cudax")) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--device must be 'cpu' or 'cuda[:N]', got 'cudax'" in err
     monkeypatch.setattr(tolerances, "model_dtype_native_bound",  # nothing can pass
                         lambda *a, **k: np.zeros(np.broadcast_shapes(np.shape(a[1]),
                                                                      np.shape(a[2]))))

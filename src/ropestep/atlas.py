@@ -851,6 +851,10 @@ def main_args(args, argv: Sequence[str]) -> int:
                       layers=args.layers, dtype=args.dtype, device=args.device, seed=args.seed,
                       anchor_every=args.anchor_every, max_bytes=args.max_bytes,
                       replication_only=args.replication)
+    try:  # before the process group: a bad --device must not reach torch.device()
+        check_config(cfg)
+    except AtlasError as err:
+        return bad(err)
     synced = False
     try:
         rank, world, _ = init_distributed(None, "cpu" if args.device == "cpu" else args.device)
