@@ -3,6 +3,10 @@
 * ``ci`` (default): derandomised, no deadline, >= 200 examples per property.
 * ``fuzz``: 2000 examples, randomised -- for long runs: ``HYPOTHESIS_PROFILE=fuzz pytest``.
 * ``quick``: 20 examples, for editing loops.
+
+Threads: ``ROPESTEP_TEST_THREADS=N`` runs every test with N torch intra-op threads, including
+those that otherwise pin one (``one_thread``), so a test whose result depends on how a kernel
+splits its work over threads shows it (tools/blas_paths.py runs the suite with 1 and 2).
 """
 import os
 import sys
@@ -22,12 +26,16 @@ settings.register_profile("fuzz", max_examples=2000, **_common)
 settings.register_profile("quick", max_examples=20, derandomize=True, **_common)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
+_THREADS = os.environ.get("ROPESTEP_TEST_THREADS")
+if _THREADS:
+    torch.set_num_threads(int(_THREADS))
+
 
 @pytest.fixture
 def one_thread():
     """Small problems: one intra-op thread (two threads thrash when the 2 cores are shared)."""
     n = torch.get_num_threads()
-    torch.set_num_threads(1)
+    torch.set_num_threads(int(_THREADS) if _THREADS else 1)
     yield
     torch.set_num_threads(n)
 

@@ -30,7 +30,10 @@ def test_float64_on_cuda_matches_cpu():
     a = scale.identity_check(spec, w, x, gauge="original")
     b = scale.identity_check(spec, w, x, gauge="original", device="cuda")
     assert a.finite and b.finite
-    assert float(b.max_rel.max()) <= tolerances.FLOAT64_REL
+    # the softmax output against the readout on the GPU: two orders of the same sums, the
+    # whole-layer agreement bound (as ropestep sweep holds it to), not FLOAT64_REL alone
+    tol = tolerances.agreement_rel_tol(torch.float64, 200, spec.head_dim)
+    assert float(a.max_rel.max()) <= tol and float(b.max_rel.max()) <= tol
 
 
 def test_atlas_layer_on_cuda_matches_cpu():
@@ -40,8 +43,13 @@ def test_atlas_layer_on_cuda_matches_cpu():
     a = atlas.evaluate_layer(spec, w, x, torch.arange(64), native, anchor_every=16)
     b = atlas.evaluate_layer(spec, w, x, torch.arange(64), native, anchor_every=16,
                              device="cuda")
-    for k in ("lam_query", "lam_input", "kappa_original", "tv"):
+    # CPU and GPU sum in different orders: each side is within its own bound of the exact
+    # value, so they differ by up to twice it -- kappa: KAPPA_REL relative (its derivation);
+    # lambda_max and tv: FLOAT64_REL (what tests/test_atlas.py holds each side to)
+    per_side = {"lam_query": tolerances.FLOAT64_REL, "lam_input": tolerances.FLOAT64_REL,
+                "kappa_original": tolerances.KAPPA_REL, "tv": tolerances.FLOAT64_REL}
+    for k, tol in per_side.items():
         fa, fb = a.arrays[k], b.arrays[k]
         sel = ~np.isnan(fa)
         assert np.array_equal(sel, ~np.isnan(fb))
-        assert np.max(np.abs(fa[sel] - fb[sel]) / np.maximum(np.abs(fa[sel]), 1)) <= tolerances.FLOAT64_REL
+        assert np.max(np.abs(fa[sel] - fb[sel]) / np.maximum(np.abs(fa[sel]), 1)) <= 2 * tol, k

@@ -165,7 +165,9 @@ def test_query_space_step_is_the_dot_familys_with_keys_over_tau():
     got = fast.query_descent(st).lam_max
     assert float(((got - want).abs() / want).max()) <= tl.FLOAT64_REL
     unit = torch.linalg.vector_norm(P.k, dim=-1)
-    assert float((unit - 1).abs().max()) <= tl.FLOAT64_ULPS_REL
+    # |k / |k|| - 1: a norm of d squares, its root and d quotients, then the norm again -- no
+    # subtraction, so gamma_{2d + 4} relative, in any order of the sums
+    assert float((unit - 1).abs().max()) <= tl.nonnegative_ops_rel(2 * spec.head_dim + 4)
     with pytest.raises(ValueError, match="not affine"):
         fast.descent(st)
     with pytest.raises(ValueError, match="Delta M"):
@@ -216,16 +218,21 @@ def test_cosine_bound_is_reached_within_its_stated_factor():
     st = fast.step(spec, w, xq, [0], xkv, [0, 0], "bank")
     P = st.extras["projected"]
     r = fm.cosine_bound_ratio(st.y, st.mu, P.v, st.mask)
-    assert abs(float(r[0, 0]) - math.tanh(1 / tau)) <= tl.FLOAT64_ULPS_REL
+    # two float64 evaluations of one two-key softmax output (the suite's against math.tanh):
+    # the float64 agreement level of agreement_rel_tol, in any order
+    tol = tl.agreement_rel_tol(F64, 2, d, d)
+    assert abs(float(r[0, 0]) - math.tanh(1 / tau)) <= tol
     tight = float(r[0, 0]) / float(fm.cosine_bound(tau))
-    assert abs(tight - 1 / (1 + math.exp(2 / tau))) <= tl.FLOAT64_ULPS_REL
+    assert abs(tight - 1 / (1 + math.exp(2 / tau))) <= tol
 
 
 def test_cosine_tightness_is_reported_per_head():
     res = fm.check_module(make("cosine"), inputs())
     for h, info in enumerate(res["heads"]):
+        # expm1 of a quotient, torch's against math's: two roundings and a libm call faithful
+        # to an ulp a side, all of positive numbers (gamma_4 + gamma_4 <= gamma_8)
         assert info["cosine_bound"] == pytest.approx(math.expm1(2 / info["tau"]),
-                                                     rel=tl.FLOAT64_ULPS_REL)
+                                                     rel=tl.nonnegative_ops_rel(8))
         assert 0.0 <= info["cosine_tightness"] <= 1.0, info
     assert res["checks"]["cosine_bound"] and max(res["checks"]["cosine_bound"]) <= 1.0
 
@@ -233,6 +240,13 @@ def test_cosine_tightness_is_reported_per_head():
 # ---------------------------------------------------------------------------------------------
 # frequency ordering and the barycenter orientation (docs/math.md section 10)
 # ---------------------------------------------------------------------------------------------
+def bary_tol(m: int, d: int) -> float:
+    """A barycenter in [0, 1] of ``m``-row heads: a quotient of sums of non-negative terms,
+    ``gamma_n`` with n = 2m + 2d + 5 roundings (tests/test_rope_diagnostics.py::barycenter_ops)
+    -- absolute, the value being at most 1 -- in any order of the sums."""
+    return tl.nonnegative_ops_rel(2 * m + 2 * d + 5)
+
+
 @pytest.mark.parametrize("layout", ["half", "interleaved"])
 def test_frequency_ordering_and_barycenter_orientation(layout):
     d, m = 8, 5
@@ -261,10 +275,10 @@ def test_frequency_ordering_and_barycenter_orientation(layout):
         w = torch.zeros(m, d, dtype=F64)
         for c in rope.pair_indices(ell, d, layout):
             w[:, c] = torch.arange(1.0, m + 1)
-        assert abs(rope.barycenter(w, w, layout) - want) <= tl.FLOAT64_ULPS_REL
+        assert abs(rope.barycenter(w, w, layout) - want) <= bary_tol(m, d)
     res = fm.check_frequency_ordering(d, layout)
     assert res["passed"], res["failures"]
-    assert res["barycenters"] == pytest.approx([0.0, 1.0], abs=tl.FLOAT64_ULPS_REL)
+    assert res["barycenters"] == pytest.approx([0.0, 1.0], abs=bary_tol(3, d))
     assert res["bases"][0] < res["bases"][1]  # the fast-pair head gets the smaller base
 
 
@@ -469,7 +483,7 @@ def test_reversed_frequency_index_is_detected(monkeypatch):
     bad = fm.check_frequency_ordering(8, "half")
     print(bad["barycenters"], bad["bases"])
     assert not bad["passed"]
-    assert bad["barycenters"] == pytest.approx([1.0, 0.0], abs=tl.FLOAT64_ULPS_REL)
+    assert bad["barycenters"] == pytest.approx([1.0, 0.0], abs=bary_tol(3, 8))
     assert bad["bases"][0] > bad["bases"][1]
     res = fm.check_module(att, inputs(), float32=False)
     assert not res["passed"]
@@ -500,11 +514,21 @@ def ids(T: int = 12):
     return torch.randint(0, 64, (2, T), generator=torch.Generator().manual_seed(7))
 
 
-def logits_tol(model) -> float:
-    """Same function, different evaluation order (SDPA against an explicit softmax) through
-    ``n`` residual blocks: ``CONT_ULPS_PER_BLOCK`` float64 ulps per block, relative to the
-    logits' max (tolerances.py)."""
-    return tl.CONT_ULPS_PER_BLOCK * model.config.num_hidden_layers * tl.unit_roundoff(F64)
+def logits_tol(model, n_tokens: int = 12) -> float:
+    """Same function, another evaluation order (SDPA against an explicit softmax, a cache against
+    none) through ``n`` residual blocks and the output head, relative to the logits' max:
+    ``(n + 1) agreement_rel_tol(float64, T, d, m + I)``.
+
+    Derivation: each block is one attention layer -- the sums :func:`agreement_rel_tol` counts,
+    with the ``m``-term projections -- and an MLP whose two GEMMs add ``m`` and ``I`` terms
+    (``I`` the intermediate size); the output head is one more ``m``-term GEMM.  First order, the
+    blocks' errors add, each passed on with O(1) gain (normalised inputs, residual sums), and
+    the sums' condition numbers are inside its margin, as for one layer.  Any summation order
+    (``gamma_n`` bounds), so it holds on every BLAS branch."""
+    c = model.config
+    d = c.hidden_size // c.num_attention_heads if getattr(c, "head_dim", None) is None else c.head_dim
+    return (c.num_hidden_layers + 1) * tl.agreement_rel_tol(F64, n_tokens, d,
+                                                            c.hidden_size + c.intermediate_size)
 
 
 @pytest.mark.model

@@ -203,7 +203,11 @@ def test_frequency_axis_runs_from_fast_to_slow():
     spec = HeadSpec(n_heads=2, n_kv_heads=1, head_dim=16, rope=RoPESpec(base=1e4))
     fa = heads.frequency_axis(spec)
     assert fa["decreasing"] and fa["fastest_pair"] == 0 and fa["slowest_pair"] == 7
-    assert fa["omega_pair0"] == 1.0 and fa["omega_last"] == pytest.approx(1e4 ** (-14 / 16))
+    # base^0 = 1 exactly; base^(-14/16) by torch's (vectorised) pow against Python's: each at
+    # worst exp of the rounded exponent (14/16) log(base), one log term (exp_of_sum_rel)
+    pow_rel = tl.exp_of_sum_rel(14 / 16 * math.log(1e4), 1)
+    assert fa["omega_pair0"] == 1.0
+    assert fa["omega_last"] == pytest.approx(1e4 ** (-14 / 16), rel=2 * pow_rel, abs=0)
     # from tables: the same axis read back through atan2 at position 1
     ang = torch.arange(2, dtype=torch.float64)[:, None] * rope.rope_frequencies(1e4, 16)[None]
     spec_t = HeadSpec(n_heads=2, n_kv_heads=1, head_dim=16,

@@ -48,7 +48,14 @@ def test_query_descent_against_the_oracle(family, seed):
     errs = rel(dc.lam_max, lam), rel(dc.e0, e0), rel(dc.e1, e1)
     print(family, "lambda / E0 / E1 rel", errs, "increases", (e1 > e0).mean())
     assert max(errs) <= tolerances.FLOAT64_REL
-    np.testing.assert_array_equal(dc.e1.numpy() > dc.e0.numpy(), e1 > e0)
+    # the verdict E1 > E0: each side is within FLOAT64_REL of its scale (asserted above), so
+    # the fast verdict is the oracle's wherever the exact gap exceeds both errors; below that
+    # (exact ties: a query's only key gives E0 = E1 = 0) rounding may decide, within the bound
+    f0, f1 = dc.e0.numpy(), dc.e1.numpy()
+    tie = tolerances.FLOAT64_REL * (np.abs(e0).max() + np.abs(e1).max())
+    clear = np.abs(e1 - e0) > tie
+    np.testing.assert_array_equal((f1 > f0)[clear], (e1 > e0)[clear])
+    assert np.all(np.abs(f1 - f0)[~clear] <= 2 * tie)
     if family == "dot" and seed == 0:
         assert 0 < (e1 > e0).mean() < 1  # both outcomes occur: the verdict is not vacuous
 

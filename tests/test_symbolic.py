@@ -20,7 +20,7 @@ import sympy as sp
 import torch
 
 from ropestep import symbolic as S
-from ropestep.tolerances import FLOAT64_REL
+from ropestep.tolerances import FLOAT64_REL, nonnegative_ops_rel
 
 DPS = 60
 TOL_MP = mp.mpf("1e-40")
@@ -676,7 +676,12 @@ def test_cosine_bound_numeric():
                 c, s_ = np.cos(t), np.sin(t)
                 rot[2 * l_: 2 * l_ + 2, 2 * l_: 2 * l_ + 2] = [[c, -s_], [s_, c]]
             s = [mp.mpf(float(q @ rot @ kj)) / tau for kj in k]
-            assert all(abs(x) <= 1 / tau * (1 + mp.mpf("1e-15")) for x in s)
+            # |q^ R k^| <= 1 up to float64 rounding: |fl(x . y)| <= (1 + gamma_d) |x| . |y| for
+            # the dot product, each unit vector's norm within gamma_{d+3} of 1 (d squares and
+            # sums, the root, the quotient), R's rows within gamma_4 (cos, sin and their 2-term
+            # sums) -- products of non-negative factors: gamma_{3d+10} (nonnegative_ops_rel)
+            unit = 1 + mp.mpf(nonnegative_ops_rel(3 * d + 10))
+            assert all(abs(x) <= 1 / tau * unit for x in s)
             v = [[mp.mpf(float(x)) for x in rng.standard_normal(r)] for _ in range(n)]
             e = [mp.exp(x) for x in s]
             z = mp.fsum(e)

@@ -261,7 +261,13 @@ def environment(device: str) -> dict:
     hw = {"cpu_model": cpu, "cpu_cores": os.cpu_count(),
           "cpu_affinity": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
           "torch_threads": torch.get_num_threads(), "machine": platform.machine(),
-          "platform": platform.platform(), "device": str(device), "gpu_name": None}
+          "platform": platform.platform(), "device": str(device), "gpu_name": None,
+          # what decides the float rounding besides the CPU: torch's kernel dispatch and MKL's
+          # code-path selection (CONTRIBUTING.md, "Numerical configurations"); numbers are
+          # bitwise reproducible only where these, the versions and the CPU model agree
+          "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+          "numeric_env": {k: os.environ.get(k) for k in ("MKL_CBWR", "ATEN_CPU_CAPABILITY",
+                                                          "OMP_NUM_THREADS", "MKL_NUM_THREADS")}}
     if torch.cuda.is_available():
         hw["gpu_name"] = torch.cuda.get_device_name(0)
     return {"versions": {"python": platform.python_version(), "ropestep": __version__,

@@ -209,7 +209,9 @@ def conventions(model: Any, layer: int, x: Any, positions: Any, *,
     ``max(bound) / max|model|``.  Both sides read the same ``dtype``-rounded ``x`` and the same
     RoPE table values (:func:`ropestep.models.layer_head` takes the model's own tables).  The
     score scale ``spec.score_scale(h)`` is compared with the module's ``scaling`` (relative,
-    ``FLOAT64_ULPS_REL``).  A wrong pairing moves a rotated vector by O(1) at every position but
+    ``nonnegative_ops_rel(4)``: each side is a square root and a quotient, or a power faithful
+    to an ulp -- two roundings of a positive number each, so the two differ by at most
+    ``gamma_2 + gamma_2 <= gamma_4``, in any order of evaluation).  A wrong pairing moves a rotated vector by O(1) at every position but
     0, a wrong GQA map by O(1) on the heads it misroutes.
     """
     info, attn, mod = _model_parts(model, layer)
@@ -317,8 +319,9 @@ def conventions(model: Any, layer: int, x: Any, positions: Any, *,
                                 for nm in refs for h in range(H))} for rt in routes}
     sc_spec = [float(spec.score_scale(h)) for h in range(H)]
     sc_rel = worst([abs(s - float(attn.scaling)) / float(attn.scaling) for s in sc_spec])
+    sc_tol = tl.nonnegative_ops_rel(4)  # two roundings a side (docstring)
     scale = {"model": float(attn.scaling), "spec": sc_spec, "rel": sc_rel,
-             "tolerance": tl.FLOAT64_ULPS_REL, "ok": within(sc_rel, tl.FLOAT64_ULPS_REL)}
+             "tolerance": sc_tol, "ok": within(sc_rel, sc_tol)}
     ok = all(r_["ok"] for r_ in heads) and scale["ok"]
     return {
         "check": "conventions", "layer": int(layer), "model_dtype": str(mdt).replace("torch.", ""),

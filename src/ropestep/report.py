@@ -126,7 +126,9 @@ def render_markdown(result: dict, figures: dict[str, list[str]] | None = None) -
         f"- Versions: python {ver['python']}, torch {ver['torch']}, transformers "
         f"{ver['transformers']}, ropestep {ver['ropestep']}, numpy {ver['numpy']}",
         f"- Hardware: {hw['cpu_model']} ({hw['cpu_cores']} cores, {hw['torch_threads']} torch "
-        f"threads)" + (f", GPU {hw['gpu_name']}" if hw.get("gpu_name") else ""),
+        f"threads)" + (f", GPU {hw['gpu_name']}" if hw.get("gpu_name") else "")
+        + (f"; torch CPU capability {hw['cpu_capability']}" if hw.get("cpu_capability") else "")
+        + "".join(f", {k}={v}" for k, v in (hw.get("numeric_env") or {}).items() if v),
         "",
     ]
     if paper:

@@ -37,14 +37,41 @@ Accuracy and Stability of Numerical Algorithms, section 3.1).
 
 Power (tests/test_tolerance_power.py): a tolerance that no legitimate computation comes near
 hides bugs as surely as a missing check.  So every tolerance here is tested both ways: the code
-stays inside it (the suite's tests) and, on a fixed set of power cases (seeded problems of
-``tests/strategies.py``, adversarial but legitimate: large score spreads, near ties, cancelling
-projections, small sizes where a count dominates), the worst observed error comes within a
-stated factor of it: ``worst / bound >= 1 / SLACK_<NAME>``.  Each ``SLACK_<NAME>`` beside its
-bound is the measured looseness of that bound on the power cases; a bound loosened 10x -- or
-any constant it is built from -- fails tests/test_tolerance_power.py.  Thresholds that are not
-tolerances (what a wrong formula must exceed, tie and overflow guards) are kept apart at the
-end of this module, each with its reason.
+stays inside it (the suite's tests, and the power cases themselves: ``worst / bound <= 1``) and,
+on a fixed set of power cases (seeded problems of ``tests/strategies.py``, adversarial but
+legitimate: large score spreads, near ties, cancelling projections, small sizes where a count
+dominates), the worst error comes within a stated factor of it: ``worst / bound >= 1 /
+SLACK_<NAME>``.  A bound loosened 10x -- or any constant it is built from -- fails
+tests/test_tolerance_power.py.  Thresholds that are not tolerances (what a wrong formula must
+exceed, tie and overflow guards) are kept apart at the end of this module, each with its reason.
+
+Bounds that hold on any machine.  Every bound here covers any order of its sums that a BLAS or
+a vectorised kernel may choose (recursive, pairwise, blocked, with or without FMA): the
+``gamma_n`` forward-error bounds hold for every summation order (Higham, section 4.2 and 3.1),
+so a bound written as ``gamma_n`` times the sum of the terms' absolute values counts the terms,
+never the order.  (``FLOAT64_ULPS_REL`` and ``CONT_ULPS_PER_BLOCK``, which counted the roundings
+of the order one machine happened to use, were exceeded on other MKL branches -- by up to 1.78x
+-- and are gone: their uses take :func:`agreement_rel_tol`, :func:`identity_check_tol`,
+:func:`nonnegative_ops_rel`, :func:`gl_rule_rel` and :func:`gl_moment_abs`, each with its terms
+counted where it is used.)
+
+Power that holds on any machine.  The "not vacuous" side must not depend on rounding luck, so
+each power check rests on a witness of one of three kinds (``POWER_WITNESS`` below names the
+kind of each tolerance; the test asserts that every tolerance has one):
+
+* ``forced`` -- the witness's error does not depend on a summation order: elementwise
+  operations, correctly rounded scalar arithmetic (mpmath at 24 or 53 bits, Python floats), or a
+  computation emulated with explicit rounding in a fixed order (``exact.build_rounded``, the
+  emulated attention head of the capture check).  An emulated order is one order a BLAS may
+  use, so the bound must cover it, and its error is the same on every IEEE-754 machine.
+  Elementwise ``exp``/``cos``/``expm1`` of a vectorised library differ between machines by an
+  ulp at most, which these checks' margins absorb (measured below).
+* ``stable`` -- the worst ratio over enough cases that it barely moves between summation orders;
+  its spread over the BLAS and dispatch configurations of CONTRIBUTING.md is stated next to its
+  SLACK, and SLACK is set near ``sqrt(10) / worst``, so the ratio can move by a factor of ~3 in
+  either direction before the check or its 10x loosening flips.
+* ``exact`` -- the bound is checked against the exact error of a computation (mpmath at raised
+  precision), never against the difference of two float computations.
 """
 from __future__ import annotations
 
@@ -52,14 +79,14 @@ import numpy as np
 import torch
 
 FLOAT64_REL = 1e-12
-SLACK_FLOAT64_REL = 10.0
+SLACK_FLOAT64_REL = 20.0
 """Measured looseness of ``FLOAT64_REL`` on the power cases (a bound loosened 10x fails
 tests/test_tolerance_power.py): softmax outputs and ``Delta M`` at scores near +700 with two
 keys within 0.3 of each other and queries 4x longer than the scores need (``|q| . |k| ~ 3000``,
 within the ``A <= 4500`` that the promised spread allows, see ``KAPPA_REL``): worst 2.8e-13
 (ratio 0.28)."""
 K_LOW = 4.0
-SLACK_K_LOW = 10.0
+SLACK_K_LOW = 13.0
 """Measured looseness of ``K_LOW`` (the naive-error term of :func:`low_precision_bound`) on its
 power cases, where that term dominates: a value projection cancelled by its bias (every key
 holds the feature 1000.1 whose weight 3.3 is undone by ``b_v``), so both the fast float32
@@ -69,7 +96,7 @@ whose sums ``mpmath.fsum`` rounds only once, keeps its digits while float32 sums
 bound is then violated -- tests/test_tolerance_power.py records it as a strict xfail,
 ``test_low_precision_bound_projection_cancellation``.)"""
 FLOOR_LOW = 40.0
-SLACK_FLOOR_LOW = 15.0
+SLACK_FLOOR_LOW = 22.0
 """Measured looseness of ``FLOOR_LOW`` on its power cases, where the floor is the largest term:
 float32 ``Delta M`` of 16-key banks (d = m = 8), relative to the sum-of-absolute-terms scale:
 worst ``err(fast) / bound`` 0.16."""
@@ -77,11 +104,11 @@ READOUT_OPS = 8
 """The roundings of one readout term outside the sums over keys and dimensions (the centring
 ``v_j - mu``, the products with ``c_j`` and ``q``, ``phi_1`` to a few ulp, the final sum with
 ``mu`` and ``b``): the ``8`` of :func:`readout_bound`'s ``gamma_{N + d + 8}``."""
-SLACK_READOUT_OPS = 12.0
+SLACK_READOUT_OPS = 18.0
 """Measured looseness of :func:`readout_bound` where its count term ``(N + d + READOUT_OPS) u
 kappa`` dominates (two keys, ``d = 2``, scores below 1.5, ``kappa >= 1``, float32): worst 0.17;
 ``READOUT_OPS`` times 10 multiplies that bound by ~7 and fails."""
-SLACK_READOUT_BOUND = 5.0
+SLACK_READOUT_BOUND = 10.0
 """Measured looseness of :func:`readout_bound` where its score term ``max|s| u kappa``
 dominates (the ``FLOAT64_REL`` power cases, original gauge, float64): worst 0.64."""
 
@@ -177,7 +204,7 @@ float64 ``<= 3e-14`` against ``>= 1e-12``, float32 ``<= 5e-6`` against ``>= 1e-4
 ``benchmarks/``).  A layer whose readout is worse conditioned than that fails the check: its
 error is then shown, never hidden, and the per-query checks (``fast.step`` with its ``kappa``)
 are the place to look at it."""
-SLACK_AGREE_MARGIN = 5.0
+SLACK_AGREE_MARGIN = 7.0
 """Measured looseness of :func:`agreement_rel_tol` (so of ``AGREE_MARGIN``) and of
 :func:`native_rel_tol` on their power cases: a float32 attention output against its float64
 recomputation from the same float32 inputs, four keys with scores at the float32 limit (~88)
@@ -273,7 +300,7 @@ def native_rel_tol_lowp(dtype: torch.dtype, qk_max: float) -> float:
     return AGREE_MARGIN * u * (8.0 + 2.0 * float(qk_max))
 
 
-SLACK_NATIVE_REL_TOL_LOWP = 30.0
+SLACK_NATIVE_REL_TOL_LOWP = 38.0
 """Measured looseness of :func:`native_rel_tol_lowp` on its power cases: a bf16 head (q, k, v,
 scores, probabilities and output rounded to bf16, as a bf16 model's eager attention) against
 the float32 readout from the same bf16 inputs, two keys at scores 20-60 within 0.3 of each
@@ -314,7 +341,7 @@ def gl_rule_rel(tol: float, spread: float, n: int, node_abs: float, weight_rel: 
                  + (3.0 * spread + n + 4.0) * unit_roundoff(dtype))
 
 
-SLACK_GL_RULE_REL = 40.0
+SLACK_GL_RULE_REL = 45.0
 """Measured looseness of :func:`gl_rule_rel` on its power cases: every kernel entry
 ``sum_n w~_n e^{t~_n z_j} e^{(1 - t~_n) z_k}`` of a 41-point grid of shifted scores, evaluated in
 float64 as a rank-n product with the shipped rule, at (spread, tol) = (60, 1e-14), (200, 1e-15),
@@ -415,25 +442,11 @@ SLACK_EXP_DD_REL = 10.0
 """Measured looseness of :func:`exp_dd_rel`: 4000 seeded pairs, half uniform on [-700, 700]^2
 and half within 3 of each other on [-5, 5]: worst 1.26 eps at (-0.46, -0.55), ratio 0.23."""
 
-FLOAT64_ULPS_REL = 1e-15
-"""A few float64 ulps (~9 u) of an O(1) result: two evaluations of the same per-query
-arithmetic in different batch shapes (chunks of queries, one query per chunk, subsets of queries
-and heads, a statistic summed in two places) -- only the BLAS kernels' blocking differs, which
-reorders a short dot product or sum (``2 gamma_4`` of terms of the result's size) -- and the
-float64 value of a short sum of positive terms against its exact value (Gauss-Legendre
-weights; the shipped rule's float64 nodes move ``e^{t spread}`` by ``spread`` times this).
-Absolute on O(1) quantities, relative to the scale elsewhere (tests/test_fast_objects.py,
-tests/test_scale.py, tests/test_lowrank.py, tests/test_atlas.py)."""
-SLACK_FLOAT64_ULPS_REL = 4.0
-"""Measured looseness of ``FLOAT64_ULPS_REL``: the readout of a 12-key ALiBi/GQA layer
-computed in chunks of 1 and 5 queries against one chunk differs by 6.7e-16 (values ~4):
-ratio 0.67."""
-
 QUERY_FORM_REL = 1e-14
 """The paper's per-query form (``ropestep.direct``: features in ``R^{m+1}``) against the
 streamed GEMM form, float64, relative to the scale (tests/test_scale.py): two orders and
 groupings of the same sums of at most N = 70 keys, ``2 gamma_N`` first order (1.6e-14)."""
-SLACK_QUERY_FORM_REL = 20.0
+SLACK_QUERY_FORM_REL = 30.0
 """Measured looseness of ``QUERY_FORM_REL``: ``y`` and ``Delta M`` of queries 0, 33 and 69
 of a 70-token ALiBi layer, both forms: worst 1.27e-15 (ratio 0.13)."""
 
@@ -476,7 +489,7 @@ def reorder_rel(n_terms: int, dtype: torch.dtype = torch.float64) -> float:
     return 2.0 * int(n_terms) * unit_roundoff(dtype)
 
 
-SLACK_REORDER_REL = 40.0
+SLACK_REORDER_REL = 55.0
 """Measured looseness of :func:`reorder_rel`: ``T`` and ``Delta M`` of a 72-token layer in the
 pairwise gauge with one query and one key row per block against one block: worst ratio 0.069
 (with the Gauss-Legendre rule polished in extended precision, ``lowrank.gl_nodes``; 0.55 with
@@ -516,7 +529,7 @@ def model_dtype_native_bound(dtype: torch.dtype, kappa, n_keys, head_dim: int, h
     return model_side + ours
 
 
-SLACK_MODEL_DTYPE_NATIVE_BOUND = 20.0
+SLACK_MODEL_DTYPE_NATIVE_BOUND = 45.0
 """Measured looseness of :func:`model_dtype_native_bound` on its power cases (plain float32
 causal softmax attention as the "model", max-key kappa up to ~470): the float64 readout against
 it reaches 0.07 of the bound (the model-side term; 0.04-0.15 over other seeds), the float32
@@ -538,7 +551,7 @@ def identity_check_tol(dtype: torch.dtype, kappa, n_keys: int, head_dim: int, sc
                                score_max)
 
 
-SLACK_IDENTITY_CHECK_TOL = 8.0
+SLACK_IDENTITY_CHECK_TOL = 9.0
 """Measured looseness of :func:`identity_check_tol`: the streamed max-key identity check of a
 12-token layer whose every score is -636 (float32) or -1075 (float64): 2.3e-5 against 7.9e-5
 and 8.3e-14 against 2.4e-13 (ratio 0.34)."""
@@ -558,7 +571,7 @@ def gl_moment_abs(n: int, node_abs: float, weight_l1: float) -> float:
     return (n + 3) * unit_roundoff(torch.float64) + float(weight_l1) + float(node_abs)
 
 
-SLACK_GL_MOMENT_ABS = 30.0
+SLACK_GL_MOMENT_ABS = 40.0
 """Measured looseness of :func:`gl_moment_abs`: the moments ``k < 2n`` of the 3- and 40-point
 rules: worst ratio 0.076 (the rule polished in extended precision, ``lowrank.gl_nodes``)."""
 
@@ -585,12 +598,14 @@ and bias fusion, so their errors are of one size (measured ratio 0.97-1.04 on th
 and SmolLM2): ``CAPTURE_K = 2`` allows either to be twice the other; the floor is a few
 roundings of the output (softmax, the value sum), for a naive error that cancels by luck."""
 SLACK_CAPTURE_K = 3.0
-"""Measured looseness of ``CAPTURE_K``: a 64-token causal head (m = 8, d = 4) in float32,
-einsum form against ``F.linear``/``matmul`` form: worst 0.81 of the bound, the naive term
-two thirds of it."""
+"""Measured looseness of ``CAPTURE_K``: 64-token causal heads (m = 8, d = 4), the captured and
+the naive head emulated in 24-bit arithmetic in two fixed orders (forced): worst 0.82 of the
+bound; torch's own einsum and ``F.linear``/``matmul`` forms reach 0.70-0.81 over the
+configurations of CONTRIBUTING.md."""
 SLACK_CAPTURE_FLOOR = 3.0
 """Measured looseness of ``CAPTURE_FLOOR``: 2- and 3-token heads, where the naive error is
-smaller than the floor: worst 0.78 of the bound, the floor two thirds of it."""
+smaller than the floor, emulated in two fixed orders (forced): worst 0.79 of the bound.  (The
+earlier witness, torch's own evaluation, gave 0.78 on one MKL branch and 0.28 on another.)"""
 
 LINEAR64_TOL = 1e-13
 """rtol and atol of the model adapter's float64 layout check (tests/models/test_adapter.py):
@@ -619,23 +634,12 @@ SLACK_ROPE_TABLE_ABS = 8.0
 positions, d = 64, bases 1e4, 1e5 and 1e6 (the tiny Qwen2 and SmolLM2 use 1e6 and 1e5):
 worst 2.9e-5 against 6.2e-5 (ratio 0.47)."""
 
-CONT_ULPS_PER_BLOCK = 16.0
-"""Continuation capture against a full forward (tests/models/test_adapter.py): the two are
-float32 evaluations of the same function with different matmul shapes (one query row against
-n), so each of a block's ~8 GEMMs and norms rounds differently at a few u of the activation
-scale; ``CONT_ULPS_PER_BLOCK u`` per residual block traversed, relative to the activations'
-(or the logits') max (it was 64; the tiny model measures <= 5 u per block)."""
-SLACK_CONT_ULPS_PER_BLOCK = 10.0
-"""Measured looseness of ``CONT_ULPS_PER_BLOCK``: the tiny Qwen2's layer-1 input and logits for
-two candidates after a 63-token prefix: worst ratio 0.22 (0.32 at the adapter test's 511-token
-prefix)."""
-
 CAPTURE_DTYPE_REL = 1e-4
 """The same model captured in float32 and float64 (tests/models/test_adapter.py): heads after
 one block and one attention agree to float32 accuracy, relative to their max: the float32
 forward of one layer is within ``native_rel_tol`` / ``AGREE_MARGIN`` ~ 6e-5 at the tiny model's
 sizes (16 tokens, d = 64, m = 896), the block before it adds as much."""
-SLACK_CAPTURE_DTYPE_REL = 60.0
+SLACK_CAPTURE_DTYPE_REL = 70.0
 """Measured looseness of ``CAPTURE_DTYPE_REL``: the tiny Qwen2 at 16 tokens, layer 1: 4.7e-6
 (ratio 0.047) -- not within 10x: the first-order counts of two layers' sums are that far above
 what their random roundings reach."""
@@ -751,7 +755,7 @@ def rotated_projection_abs(dtype: torch.dtype, abs_terms, n_terms: int):
     return (HM_LAMBDA * float(np.sqrt(n_terms)) * u_acc + 4.0 * u_store) * abs_terms
 
 
-SLACK_ROTATED_PROJECTION_ABS = 25.0
+SLACK_ROTATED_PROJECTION_ABS = 32.0
 """Measured looseness of :func:`rotated_projection_abs` on its power cases: float32 projections
 of non-negative inputs by non-negative weights (no cancellation: the partial sums are as large
 as they can be, as for ``HM_LAMBDA``) with 2 and 4 terms (a bias included), rotated by float32
@@ -785,7 +789,7 @@ def position_eval_abs(n_keys: int, head_dim: int, hidden: int, scale, position, 
             + 12.0 * unit_roundoff(torch.float64) * float(position) * np.asarray(slope))
 
 
-SLACK_POSITION_EVAL_ABS = 100.0
+SLACK_POSITION_EVAL_ABS = 190.0
 """Measured looseness of :func:`position_eval_abs` on its power cases: a two-key float64 head
 evaluated with every position offset by 2^32 and by 3 2^31 + 12345 (equal exact outputs), the
 query and key energy on one pair (omega = 0.1), 200 seeds: worst 0.017.  Not within 10x: the
@@ -826,3 +830,67 @@ def rank_threshold(shape: tuple, sigma_max: float, inner: int, norm_product: flo
     """
     u = unit_roundoff(dtype)
     return float(max(shape) * 2.0 * u * float(sigma_max) + int(inner) * u * float(norm_product))
+
+
+# ---------------------------------------------------------------------------------------------
+# how each tolerance's power is shown on any machine (module docstring, "Power that holds on any
+# machine"); tests/test_tolerance_power.py requires a row for every tolerance it checks
+# ---------------------------------------------------------------------------------------------
+POWER_WITNESS = {
+    # name: (kind, why this kind; for "stable": the spread of worst/bound measured over the
+    #        configurations of CONTRIBUTING.md -- MKL_CBWR branches, ATEN_CPU_CAPABILITY=default
+    #        and avx2, 1 and 2 threads -- on one machine)
+    "FLOAT64_REL": ("stable", "12 float64 steps against mpmath; the float64 einsums' order moves "
+                    "the worst by < 1%: 0.144 on every configuration; SLACK 20"),
+    "READOUT_OPS": ("stable", "32 float32 readouts against mpmath: 0.172 everywhere; SLACK 18"),
+    "readout_bound": ("stable", "the score term 0.328 and the count term 0.172 on every "
+                      "configuration; SLACK 10 and 18"),
+    "K_LOW": ("stable", "float32 readouts against the 24-bit emulated naive formula "
+              "(exact.build_rounded, forced): 0.246 everywhere; SLACK 13"),
+    "FLOOR_LOW": ("stable", "float32 Delta M against mpmath: 0.141 everywhere; SLACK 22"),
+    "low_precision_bound": ("stable", "K_LOW's and FLOOR_LOW's cases"),
+    "KAPPA_REL": ("stable", "float64 kappa against mpmath: 0.162 everywhere; SLACK 20"),
+    "AGREE_MARGIN": ("stable", "float32 softmax outputs against float64: 0.451 everywhere; "
+                     "SLACK 7"),
+    "agreement_rel_tol": ("stable", "AGREE_MARGIN's cases"),
+    "native_rel_tol": ("stable", "AGREE_MARGIN's cases"),
+    "native_rel_tol_lowp": ("forced", "bf16 rounding of every stored tensor dominates the "
+                            "float32 sums: 0.0835 everywhere; SLACK 38"),
+    "gl_rule_rel": ("stable", "41 x 41 kernel entries against mpmath: 0.069 everywhere; "
+                    "SLACK 45"),
+    "exp_of_sum_rel": ("forced", "Python-float logs and lgamma against mpmath"),
+    "descent_bound": ("stable", "eigensolver and float64 sums against mpmath: 0.031-0.046; "
+                      "SLACK 100"),
+    "PHI1_ULPS": ("forced", "elementwise expm1/exp against mpmath: 0.38-0.415 (vectorised "
+                  "against scalar libm); SLACK 8"),
+    "exp_dd_rel": ("forced", "elementwise, 4000 pairs against mpmath: 0.218-0.228; SLACK 10"),
+    "QUERY_FORM_REL": ("stable", "two float64 forms of one layer: 0.085-0.127; SLACK 30"),
+    "reorder_rel": ("stable", "streamed against one block: 0.044-0.069; SLACK 55"),
+    "identity_check_tol": ("stable", "streamed identity check, every score -636/-1075: 0.338 "
+                           "everywhere; SLACK 9"),
+    "model_dtype_native_bound": ("stable", "three 96-token layers against a float32 causal "
+                                 "attention: 0.067-0.072; SLACK 45"),
+    "gl_moment_abs": ("stable", "float64 moments of the shipped rule: 0.076 everywhere; "
+                      "SLACK 40"),
+    "HM_LAMBDA": ("stable", "3 x 16384 float32 dot products of positive terms: 0.152-0.161; "
+                  "SLACK 20"),
+    "CAPTURE_K": ("forced", "the captured and the naive head emulated in 24-bit arithmetic "
+                  "in two fixed orders (tests/test_tolerance_power.py::emulated_head); torch's "
+                  "own evaluation must stay inside the bound too"),
+    "CAPTURE_FLOOR": ("forced", "CAPTURE_K's emulation on 2- and 3-token heads (on one "
+                      "machine the torch evaluation's ratio was 0.78 on one MKL branch and "
+                      "0.28 on another: luck, not a witness)"),
+    "LINEAR64_TOL": ("stable", "the tiny Qwen2's q, k, v in float64: 0.046-0.057; SLACK 60"),
+    "rope_table_abs": ("forced", "elementwise float32 cos/sin of rounded angles: 0.469 "
+                       "everywhere; SLACK 8"),
+    "CAPTURE_DTYPE_REL": ("stable", "the tiny Qwen2's float32 heads against float64: "
+                          "0.041-0.047; SLACK 70"),
+    "rotated_projection_abs": ("stable", "float32 projections of 2 and 4 positive terms, 512 "
+                               "entries each: 0.097 everywhere; SLACK 32"),
+    "position_eval_abs": ("forced", "the rounding of the angles p omega at p ~ 2^32 dominates "
+                          "(elementwise): 0.0166 everywhere; SLACK 190"),
+    "central_difference_abs": ("forced", "Python floats"),
+    "nonnegative_ops_rel": ("forced", "sums of at most 3 non-negative terms and a square "
+                            "root, 400 heads against mpmath: 0.773 everywhere; SLACK 4"),
+}
+"""The kind of witness behind each tolerance's power check (module docstring)."""

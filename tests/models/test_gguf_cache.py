@@ -12,8 +12,22 @@ import pytest
 import torch
 
 from ropestep import models
+from ropestep import tolerances as tl
 
 pytestmark = pytest.mark.model
+
+
+def same_model_tol(model, n_tokens: int) -> float:
+    """Two float64 forwards of the same weights whose matmuls may sum in other orders, relative
+    to the logits' max: the cached model's weights are memory-mapped at other alignments than
+    the de-quantised ones, and a BLAS may pick its code path by alignment (MKL does outside its
+    CNR mode).  Per residual block the whole-layer agreement bound, the MLP's GEMMs adding
+    ``m + I`` terms; the logits one block more (the ``m``-term output head) -- as
+    tests/models/test_adapter.py's ``forward_tol``."""
+    info = models.describe_model(model)
+    inter = int(model.config.intermediate_size)
+    return (info.n_layers + 1) * tl.agreement_rel_tol(torch.float64, n_tokens, info.head_dim,
+                                                      info.hidden + inter)
 
 
 def _load(monkeypatch, root, **env):
@@ -39,8 +53,11 @@ def test_second_load_reads_the_cache_and_is_the_same_model(monkeypatch, tmp_path
     text = "def f(x):\n    return x + 1\n"
     assert tok1(text)["input_ids"] == tok2(text)["input_ids"]
     ids = torch.tensor([tok1(text)["input_ids"]])
-    with torch.no_grad():
-        assert torch.equal(m1(ids).logits, m2(ids).logits)
+    with torch.no_grad():  # in float64: the tolerance is then far below any change of model
+        l1, l2 = m1.double()(ids).logits, m2.double()(ids).logits
+    err = float((l1 - l2).abs().max() / l1.abs().max())
+    print("cached vs first load, logits:", err, "tolerance", same_model_tol(m1, ids.shape[1]))
+    assert err <= same_model_tol(m1, ids.shape[1])
     assert t2 < t1
 
 

@@ -258,7 +258,9 @@ def test_shifted_position_id_is_what_the_whole_model_does(tiny_qwen2):
     print("whole model, token 40 at id 47, vs composition:", rel, "tolerance", tol,
           "effect of the move", effect)
     assert rel <= tol and effect > tl.DETECT_FACTOR * tol
-    assert torch.equal(heads[:40], base[:40])  # earlier tokens do not see token 40
+    # earlier tokens do not see token 40: two forwards of the same shapes in one process, the
+    # same operations in the same order on rows < 40, where token 40's masked key weighs 0
+    assert torch.equal(heads[:40], base[:40])
 
     packed = _layer0_heads(model, ids, moved, None)
     v40 = att.v[0, :, 40]  # (H, r): token 40's own value per query head
@@ -286,7 +288,7 @@ def test_position_derivative_and_off_by_one(tiny, monkeypatch):
     _query_off_by_one(monkeypatch)
     bad = rc.position_derivative(*args)
     print("off by one: err/tol", bad["ratio_max"])
-    assert not bad["ok"] and bad["ratio_max"] > 1e3
+    assert not bad["ok"] and bad["ratio_max"] > tl.DETECT_FACTOR
 
 
 def test_position_shift_and_off_by_one(tiny, monkeypatch):
@@ -298,7 +300,7 @@ def test_position_shift_and_off_by_one(tiny, monkeypatch):
     _query_off_by_one(monkeypatch)
     bad = rc.position_shift(*args, deltas=(1, 7))
     print("off by one: err/tol", bad["ratio_max"])
-    assert not bad["ok"] and bad["ratio_max"] > 1e3
+    assert not bad["ok"] and bad["ratio_max"] > tl.DETECT_FACTOR
 
 
 # ---------------------------------------------------------------------------------------------
