@@ -2,8 +2,9 @@
 
 * ``lint-imports`` keeps every contract of ``[tool.importlinter]``: the layers run one way
   (definitions -> kernel and oracles -> paths -> model plumbing -> experiments -> commands), the
-  fast layer never reaches the mpmath/SymPy oracles, the oracles never reach torch, and
-  ``transformers`` stays out of the core.
+  fast layer never reaches the mpmath/SymPy oracles, the oracles never reach torch,
+  ``transformers`` stays out of the core, and the reference recomputations
+  (:mod:`ropestep.reference`) reach neither torch nor the code whose reports they check.
 * The contracts can fail: the same configuration run on a copy of the package with one upward
   import injected reports the contract broken.
 * ``c_ij`` is computed in one place: no module of the fast layer but :mod:`ropestep.kernel` (and
@@ -50,6 +51,7 @@ def test_import_contracts_are_kept(lint_available):
     ("kernel.py", "from . import fast  # injected upward import\n"),
     ("fast.py", "from . import exact  # injected: fast reaching the oracle\n"),
     ("spec.py", "import transformers  # injected: model plumbing in the core\n"),
+    ("reference/atlas.py", "from .. import tolerances  # injected: the reference reaching torch\n"),
 ])
 def test_an_injected_violation_breaks_a_contract(lint_available, tmp_path, module, injected):
     copy = tmp_path / "src" / "ropestep"

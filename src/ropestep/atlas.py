@@ -30,7 +30,9 @@ including its own key) is reported apart and never set beside an input-space num
 """
 from __future__ import annotations
 
+import json
 import math
+import os
 import resource
 import sys
 import time
@@ -481,13 +483,16 @@ def _progress(total: int, enabled: bool, desc: str):
 
 
 def run(cfg: AtlasConfig, *, progress: bool = True, command: Sequence[str] | None = None,
-        loaded: tuple | None = None, dist_info: tuple[int, int] | None = None) -> dict | None:
-    """Run the atlas and return the report (a JSON-ready dict; nothing is written here).
+        loaded: tuple | None = None, dist_info: tuple[int, int] | None = None,
+        dump_raw: Path | None = None) -> dict | None:
+    """Run the atlas and return the report (a JSON-ready dict; the report is not written here).
 
     ``loaded`` may pass an already loaded ``(model, tokenizer, provenance)`` (tests).
     ``dist_info = (rank, world)`` under torchrun (:func:`ropestep.dist.init_distributed`):
     every rank computes its share of the (context, layer) items, rank 0 gathers them and
-    returns the report; the other ranks return None.
+    returns the report; the other ranks return None.  ``dump_raw``: a directory that receives
+    the raw tensors every statistic is computed from (:func:`dump_layer`, :func:`dump_item`,
+    :func:`write_raw_manifest`; docs/protocol.md section 11).
     """
     from . import models, protocol
     from .corpus import load_corpus, select_blocks, tokenizer_fn
@@ -521,6 +526,8 @@ def run(cfg: AtlasConfig, *, progress: bool = True, command: Sequence[str] | Non
     done: list[tuple[int, int, LayerResult]] = []
     specs: dict[int, tuple[HeadSpec, int]] = {}
     bar = _progress(len(mine), progress and rank == 0, "atlas")
+    if dump_raw is not None:
+        dump_raw.mkdir(parents=True, exist_ok=True)
     for c in sorted({c for c, _ in mine}):
         my_layers = [L for cc, L in mine if cc == c]
         ids = torch.tensor(blocks[c].ids)
@@ -532,6 +539,9 @@ def run(cfg: AtlasConfig, *, progress: bool = True, command: Sequence[str] | Non
             spec, w = models.layer_head(model, L, ids.numel(), dtype=torch.float64,
                                         device=cfg.device)
             specs[L] = (spec, int(cap.x.shape[1]))
+            if dump_raw is not None:
+                dump_layer(dump_raw, L, spec, w)
+                dump_item(dump_raw, c, L, cap)
             if cfg.replication_only:
                 res = _final_query_only(spec, w, cap, L, cfg, timers)
             else:
@@ -575,7 +585,7 @@ def run(cfg: AtlasConfig, *, progress: bool = True, command: Sequence[str] | Non
     corpus_prov = {"argument": portable_name(cfg.corpus), "sha256": src.get("sha256"),
                    "name": portable_name(getattr(corpus, "name", None))}
     env = protocol.environment(cfg.device)
-    return {
+    result = {
         "schema": SCHEMA,
         "command": portable_command(list(command) if command is not None else None),
         "config": portable_config(asdict(cfg)),
@@ -595,6 +605,9 @@ def run(cfg: AtlasConfig, *, progress: bool = True, command: Sequence[str] | Non
         "replication_style_descent": replication_style(rep_inc, rep_lam),
         "verdict": {"passed": not failed, "failed": failed},
     }
+    if dump_raw is not None:
+        write_raw_manifest(dump_raw, result, specs, items)
+    return result
 
 
 def _portable(prov: dict) -> dict:
@@ -603,6 +616,63 @@ def _portable(prov: dict) -> dict:
     for key in ("source", "argument"):
         out[key] = portable_name(out.get(key))
     return out
+
+
+# ---------------------------------------------------------------------------------------------
+# --dump-raw: the tensors every statistic is computed from (docs/protocol.md section 11)
+# ---------------------------------------------------------------------------------------------
+RAW_SCHEMA = "ropestep.atlas-raw/1"
+RAW_MANIFEST = "atlas_raw.json"
+
+
+def _save_tensors(path: Path, tensors: dict[str, Any]) -> None:
+    """One safetensors file, written under a temporary name and renamed into place (under
+    torchrun several ranks share the directory)."""
+    from safetensors.torch import save
+
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_bytes(save({k: torch.as_tensor(v).detach().cpu().contiguous()
+                          for k, v in tensors.items()}))
+    os.replace(tmp, path)
+
+
+def dump_layer(out: Path, layer: int, spec: HeadSpec, w: HeadWeights) -> None:
+    """``layer{L}.safetensors``, once per layer: the q/k/v weights and biases in the suite's
+    math layout (``w_q (m, H, d)``, ``b_q (H, d)``, ...; a bias the model lacks is absent), the
+    model's own RoPE tables ``cos``/``sin`` ``(N, d/2)`` and the per-head score scales."""
+    path = out / f"layer{layer}.safetensors"
+    if path.exists():
+        return
+    scales = torch.tensor([spec.score_scale(h) for h in range(spec.n_heads)],
+                          dtype=torch.float64)
+    tensors = {"w_q": w.w_q, "w_k": w.w_k, "w_v": w.w_v, "cos": spec.rope.cos,
+               "sin": spec.rope.sin, "score_scale": scales}
+    tensors.update({k: b for k, b in (("b_q", w.b_q), ("b_k", w.b_k), ("b_v", w.b_v))
+                    if b is not None})
+    _save_tensors(path, tensors)
+
+
+def dump_item(out: Path, context: int, layer: int, cap: Any) -> None:
+    """``context{c}_layer{L}.safetensors``: the layer's attention input ``x (N, m)`` (after the
+    input norm), the positions ``(N,)`` and the model's own per-head attention outputs
+    ``native (N, H, r)`` (the ``o_proj`` input, what the atlas compares with), as captured:
+    in the model's dtype."""
+    _save_tensors(out / f"context{context}_layer{layer}.safetensors",
+                  {"x": cap.x, "positions": cap.positions, "native": cap.heads})
+
+
+def write_raw_manifest(out: Path, result: dict, specs: dict[int, tuple[HeadSpec, int]],
+                       items: Sequence[tuple[int, int]]) -> None:
+    """``atlas_raw.json``: the run's config, command, model, corpus and contexts exactly as the
+    report records them, the (context, layer) items dumped, and each layer's head layout."""
+    layers = {str(L): {"n_heads": sp.n_heads, "n_kv_heads": sp.n_kv_heads,
+                       "head_dim": sp.head_dim, "r": sp.r, "hidden": m,
+                       "layout": sp.rope.layout, "family": sp.family}
+              for L, (sp, m) in sorted(specs.items())}
+    manifest = {"schema": RAW_SCHEMA, **{k: result[k] for k in
+                                         ("command", "config", "model", "corpus", "contexts")},
+                "items": [list(it) for it in items], "layers": layers}
+    (out / RAW_MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n", encoding="utf-8")
 
 
 def _final_query_only(spec, w, cap, L, cfg, timers) -> LayerResult:
@@ -828,6 +898,10 @@ def add_arguments(p) -> None:
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--no-figures", action="store_true", help="skip the figures")
     p.add_argument("--quiet", action="store_true", help="no progress bar, no summary")
+    p.add_argument("--dump-raw", metavar="DIR", default=None,
+                   help="also write the raw tensors every statistic is computed from "
+                        "(inputs, weights, RoPE tables, the model's own head outputs) and the "
+                        "run's config into DIR (docs/protocol.md section 11)")
     p.add_argument("--out", required=True, metavar="DIR", help="report directory")
 
 
@@ -844,6 +918,9 @@ def main_args(args, argv: Sequence[str]) -> int:
     problem = output_and_threads_problem(out, args.threads)
     if problem is not None:
         return bad(problem)
+    dump_raw = None if args.dump_raw is None else Path(args.dump_raw)
+    if dump_raw is not None and dump_raw.exists() and not dump_raw.is_dir():
+        return bad(AtlasError(f"--dump-raw {args.dump_raw}: exists and is not a directory"))
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     cfg = AtlasConfig(model=args.model, revision=args.revision, gguf=args.gguf,
@@ -860,7 +937,7 @@ def main_args(args, argv: Sequence[str]) -> int:
         rank, world, _ = init_distributed(None, "cpu" if args.device == "cpu" else args.device)
         try:
             result = run(cfg, progress=not args.quiet, command=["ropestep", *argv],
-                         dist_info=(rank, world))
+                         dist_info=(rank, world), dump_raw=dump_raw)
         except (AtlasError, protocol.ProtocolError, CorpusError, models.ModelLoadError,
                 models.UnsupportedModelError) as err:
             return bad(err)

@@ -1,0 +1,7 @@
+"""Second, independent computations of the numbers the reports print.
+
+Each module here recomputes one command's report from the raw tensors that command dumps,
+written from the report's definition in ``docs/`` alone: plain numpy and mpmath, slow and
+obvious, sharing no code with the fast layer or the report code (an import-linter contract in
+``pyproject.toml`` forbids it).  :mod:`ropestep.reference.atlas` covers ``ropestep atlas``.
+"""
