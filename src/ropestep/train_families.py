@@ -41,7 +41,9 @@ on the trained weights (finite numbers).
 
 Output in ``--out``: ``report.json`` first, then ``report.md`` and ``figures/`` (loss curves,
 temperature and base trajectories per head, the suite's numbers), and ``checkpoints/`` (one
-safetensors file and one JSON config per variant; :func:`load_checkpoint` reads them back).
+safetensors file and one JSON config per variant; :func:`load_checkpoint` reads them back; the
+JSON also holds the held-out token ids the suite ran on, from which
+:mod:`ropestep.reference.families` recomputes the report, docs/math.md section 12).
 Exit status 0 when every check passes, 1 when one fails (each named on stderr; NaN and inf are
 failures), 2 on bad input (one line, no traceback).
 
@@ -431,6 +433,14 @@ def train_variant(variant: str, cfg: TrainConfig, data: Data, vocab_size: int, *
 # ---------------------------------------------------------------------------------------------
 # checkpoints
 # ---------------------------------------------------------------------------------------------
+def suite_inputs(data: Data) -> dict:
+    """The held-out windows the suite ran on: their token ids ``(k, seq)`` and their offsets in
+    the held-out stream.  Saved in every checkpoint's JSON, so that the suite's statistics can be
+    recomputed from the checkpoint alone (:mod:`ropestep.reference.families`, docs/math.md
+    section 12); the report records only the offsets and the stream's sha256."""
+    return {"starts": [int(s) for s in data.check_starts], "token_ids": data.check.tolist()}
+
+
 def save_checkpoint(model: GPT, directory: Path, meta: dict) -> dict:
     """``<variant>.safetensors`` and ``<variant>.json`` (the GPT config, ``meta`` and the
     weights' sha256) in ``directory``; returns the JSON's content."""
@@ -593,7 +603,8 @@ def run(cfg: TrainConfig, out: Path, *, progress: bool = True,
             t1 = time.perf_counter()
             meta = {"steps": rec["steps_done"], "seed": cfg.seed, "tokenizer": tok.provenance,
                     "train_config": {k: portable_name(x) if k == "text" else x
-                                     for k, x in asdict(cfg).items()}}
+                                     for k, x in asdict(cfg).items()},
+                    "suite_inputs": suite_inputs(data)}
             ck = save_checkpoint(model, ck_dir, meta)
             ok = roundtrip(model, ck_dir / ck["weights"], data.check[:1])
             t2 = time.perf_counter()
