@@ -67,6 +67,11 @@ def add_validate_arguments(p: argparse.ArgumentParser) -> None:
                    help="torch CPU threads [torch default]")
     p.add_argument("--no-figures", action="store_true", help="skip the matplotlib figures")
     p.add_argument("--quiet", action="store_true", help="no progress bar and no summary line")
+    p.add_argument("--dump-raw", metavar="DIR", default=None,
+                   help="also write the raw tensors the reconstruction, reuse, calibration and "
+                        "descent sections are computed from (inputs, weights, RoPE tables, the "
+                        "model's own outputs) and the run's config into DIR "
+                        "(docs/protocol.md section 12)")
 
 
 def cmd_validate(args: argparse.Namespace, argv: Sequence[str]) -> int:
@@ -85,6 +90,10 @@ def cmd_validate(args: argparse.Namespace, argv: Sequence[str]) -> int:
     problem = output_and_threads_problem(out, args.threads)
     if problem is not None:
         return input_error(prog, problem)
+    dump_raw = None if args.dump_raw is None else Path(args.dump_raw)
+    if dump_raw is not None and dump_raw.exists() and not dump_raw.is_dir():
+        return input_error(prog, protocol.ProtocolError(
+            f"--dump-raw {args.dump_raw}: exists and is not a directory"))
     if args.threads is not None:
         import torch
 
@@ -97,7 +106,8 @@ def cmd_validate(args: argparse.Namespace, argv: Sequence[str]) -> int:
         device=args.device, seed=args.seed, exact_rows=args.exact_rows)
     t0 = time.perf_counter()
     try:
-        result = protocol.run(cfg, progress=not args.quiet, command=["ropestep", *argv])
+        result = protocol.run(cfg, progress=not args.quiet, command=["ropestep", *argv],
+                              dump_raw=dump_raw)
     except (protocol.ProtocolError, corpus_mod.CorpusError, *load_errors) as err:
         return input_error(prog, err)
     except FloatingPointError as err:  # the float64 evaluation met a NaN/inf: a failed check

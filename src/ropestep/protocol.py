@@ -31,6 +31,7 @@ import concurrent.futures
 import concurrent.futures.process
 import contextlib
 import functools
+import json
 import math
 import os
 import pickle
@@ -46,7 +47,7 @@ import torch
 
 from . import __version__, fast
 from . import reuse_stats as rs
-from .verdict import Failure, device_problem, finite, least, worst
+from .verdict import Failure, device_problem, encode, finite, least, worst
 from .provenance import model_files, portable_command, portable_config, portable_name
 from .corpus import Block, CorpusError, load_corpus, select_blocks, tokenizer_fn
 
@@ -1070,10 +1071,14 @@ def is_paper_setup(cfg: Config, layers: Sequence[int], heads: Sequence[int] | No
 
 def run(cfg: Config, *, progress: bool = True, command: Sequence[str] | None = None,
         loaded: tuple[Any, Any, dict] | None = None,
-        log: Callable[[str], None] | None = None) -> dict:
-    """Run the experiment and return the report dict (nothing is written here).
+        log: Callable[[str], None] | None = None, dump_raw: Path | None = None) -> dict:
+    """Run the experiment and return the report dict (the report itself is not written here).
 
     ``loaded`` may pass an already loaded ``(model, tokenizer, provenance)`` (tests).
+    ``dump_raw``: a directory that receives the raw tensors the ``reconstruction``, ``reuse``,
+    ``calibration`` and ``descent`` sections are computed from (:func:`dump_layer`,
+    :func:`dump_item`, :func:`write_raw_manifest`; docs/protocol.md section 12); the report is
+    the same with or without it.
     """
     from . import models
 
@@ -1112,6 +1117,10 @@ def run(cfg: Config, *, progress: bool = True, command: Sequence[str] | None = N
     dev = cfg.device
     specs = {L: models.layer_head(model, L, cfg.prefix_len, dtype=torch.float64, device=dev)
              for L in layers}
+    if dump_raw is not None:
+        dump_raw.mkdir(parents=True, exist_ok=True)
+        for L in layers:
+            dump_layer(dump_raw, L, *specs[L])
     ctx_records, per_layer = [], {L: [] for L in layers}
     real = {L: [] for L in layers}
     oracle_rows = exact_sample(len(blocks), info.n_heads, cfg.prefix_len, cfg.exact_rows, cfg.seed)
@@ -1125,6 +1134,9 @@ def run(cfg: Config, *, progress: bool = True, command: Sequence[str] | None = N
             t = time.perf_counter()
             cap = capture_context(model, blk, layers, cfg.queries, excl)
             t_cap += time.perf_counter() - t
+            if dump_raw is not None:
+                for L in layers:
+                    dump_item(dump_raw, c, L, cap, DTYPES[cfg.dtype])
             t = time.perf_counter()
             for L in layers:
                 spec, w = specs[L]
@@ -1207,6 +1219,8 @@ def run(cfg: Config, *, progress: bool = True, command: Sequence[str] | None = N
         "paper": PAPER if paper else None,
     }
     result["verdict"] = verdict_block(result)
+    if dump_raw is not None:
+        write_raw_manifest(dump_raw, result, specs, len(blocks))
     return result
 
 
@@ -1228,6 +1242,79 @@ def _context_record(c: int, blk: Block, cap: ContextCapture, tok: Any) -> dict:
             "candidates": cand, "candidates_text": [dec(t) for t in cand],
             "candidate_logits": [float(lg[t]) for t in cand],
             "candidate_probability_mass": float(p[cand].sum())}
+
+
+# ---------------------------------------------------------------------------------------------
+# --dump-raw: the tensors the report's statistics are computed from (docs/protocol.md section 12)
+# ---------------------------------------------------------------------------------------------
+RAW_SCHEMA = "ropestep.validate-raw/1"
+RAW_MANIFEST = "validate_raw.json"
+RAW_ECHOES = ("command", "config", "model", "corpus", "protocol", "seeds")
+
+
+def _save_tensors(path: Path, tensors: dict[str, Any]) -> None:
+    """One safetensors file, written under a temporary name and renamed into place."""
+    from safetensors.torch import save
+
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_bytes(save({k: torch.as_tensor(v).detach().cpu().contiguous()
+                          for k, v in tensors.items()}))
+    os.replace(tmp, path)
+
+
+def dump_layer(out: Path, layer: int, spec: Any, w: Any) -> None:
+    """``layer{L}.safetensors``: the layer's q/k/v/o weights and biases in the suite's math
+    layout (``w_q (m, H, d)``, ``w_k``/``w_v (m, H_kv, d)``, ``b_q (H, d)``, ``b_k``/``b_v
+    (H_kv, d)``, ``w_o (H, r, D)``, ``b_o (D,)``; a bias the model lacks is absent) in float64
+    (exactly the model's values), the model's own RoPE tables ``cos``/``sin`` ``(P, d/2)``
+    (``P`` = the prefix length, positions ``0 .. P-1``) and the per-head score scales."""
+    scales = torch.tensor([spec.score_scale(h) for h in range(spec.n_heads)],
+                          dtype=torch.float64)
+    tensors = {"w_q": w.w_q, "w_k": w.w_k, "w_v": w.w_v, "w_o": w.w_o,
+               "cos": spec.rope.cos, "sin": spec.rope.sin, "score_scale": scales}
+    tensors.update({k: b for k, b in (("b_q", w.b_q), ("b_k", w.b_k), ("b_v", w.b_v),
+                                      ("b_o", w.b_o)) if b is not None})
+    _save_tensors(out / f"layer{layer}.safetensors", tensors)
+
+
+def dump_item(out: Path, context: int, layer: int, cap: ContextCapture,
+              model_dtype: torch.dtype) -> None:
+    """``context{c}_layer{L}.safetensors``: what :func:`evaluate_layer` reads of one context at
+    one layer, as captured, in the model's dtype: the bank's and the queries' layer inputs
+    ``x_bank (N, m)``, ``x_query (Q, m)`` with their positions (``0 .. N-1``; every query at
+    ``N``), the candidates' token ids, the model's own per-head outputs ``native_heads
+    (Q, H, r)`` and writes ``native_write (Q, D)`` of the single-token steps, its attention
+    probability on each candidate's own key ``native_self_mass (Q, H)`` (where captured), and
+    the full forward's head outputs ``observed_heads (H, r)`` and write ``observed_write (D,)``
+    for the observed token."""
+    pre, qry = cap.prefix[layer], cap.queries[layer]
+    N, Q = pre.x.shape[0], qry.x.shape[0]
+    obs_h, obs_o = cap.observed_full[layer]
+    tensors = {"x_bank": pre.x, "x_query": qry.x, "native_heads": qry.heads,
+               "native_write": qry.o, "observed_heads": obs_h, "observed_write": obs_o}
+    if qry.self_mass is not None:
+        tensors["native_self_mass"] = qry.self_mass
+    tensors = {k: v.to(model_dtype) for k, v in tensors.items()}
+    tensors.update(positions_bank=torch.arange(N), positions_query=torch.full((Q,), N),
+                   candidates=torch.as_tensor(cap.candidates, dtype=torch.long))
+    _save_tensors(out / f"context{context}_layer{layer}.safetensors", tensors)
+
+
+def write_raw_manifest(out: Path, result: dict, specs: dict[int, tuple[Any, Any]],
+                       n_contexts: int) -> None:
+    """``validate_raw.json``: the report's ``command``, ``config``, ``model``, ``corpus``,
+    ``protocol`` and ``seeds`` exactly as it records them, the ``(context, layer)`` items
+    dumped, and each layer's head layout."""
+    layers = {str(L): {"n_heads": sp.n_heads, "n_kv_heads": sp.n_kv_heads,
+                       "head_dim": sp.head_dim, "r": sp.r, "hidden": int(w.w_q.shape[0]),
+                       "out": int(w.w_o.shape[-1]), "layout": sp.rope.layout,
+                       "family": sp.family}
+              for L, (sp, w) in sorted(specs.items())}
+    manifest = {"schema": RAW_SCHEMA, **{k: result[k] for k in RAW_ECHOES},
+                "items": [[c, L] for c in range(n_contexts) for L in sorted(specs)],
+                "layers": layers}
+    (out / RAW_MANIFEST).write_text(json.dumps(encode(manifest), indent=1, allow_nan=False)
+                                    + "\n", encoding="utf-8")
 
 
 def _progress(n: int, enabled: bool, desc: str):

@@ -5,5 +5,6 @@ written from the report's definition in ``docs/`` alone: plain numpy and mpmath,
 obvious, sharing no code with the fast layer or the report code (an import-linter contract in
 ``pyproject.toml`` forbids it).  :mod:`ropestep.reference.atlas` covers ``ropestep atlas``;
 :mod:`ropestep.reference.families` covers ``ropestep train-families`` from its checkpoints
-(docs/math.md section 12).
+(docs/math.md section 12); :mod:`ropestep.reference.validate` the reconstruction, reuse,
+calibration and descent sections of ``ropestep validate`` (docs/protocol.md section 12).
 """
