@@ -32,7 +32,7 @@ import time
 import types
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import numpy as np
 import pytest
@@ -47,6 +47,7 @@ from ropestep import tolerances as tl  # noqa: E402
 from ropestep import train_families as tf  # noqa: E402
 from ropestep.corpus import default_corpus_path  # noqa: E402
 from ropestep.reference import families as reference  # noqa: E402
+from reference_walk import leaves, at, has, matches
 
 U64 = 2.0 ** -53
 F64, F32 = torch.float64, torch.float32
@@ -130,35 +131,6 @@ def tiny(tmp_path_factory, text_file) -> Case:
 # ---------------------------------------------------------------------------------------------
 # the leaves and their classes
 # ---------------------------------------------------------------------------------------------
-def leaves(x: Any, path: tuple = ()) -> Iterator[tuple[tuple, Any]]:
-    """``(path, value)`` of every leaf (a number, bool, string or None) of a JSON tree."""
-    if isinstance(x, dict):
-        for k, v in x.items():
-            yield from leaves(v, (*path, k))
-    elif isinstance(x, list):
-        for i, v in enumerate(x):
-            yield from leaves(v, (*path, i))
-    else:
-        yield path, x
-
-
-def at(tree: Any, path: tuple) -> Any:
-    for p in path:
-        tree = tree[p]
-    return tree
-
-
-def has(tree: Any, path: tuple) -> bool:
-    try:
-        at(tree, path)
-    except (KeyError, IndexError, TypeError):
-        return False
-    return True
-
-
-def matches(path: tuple, pattern: tuple) -> bool:
-    """``pattern`` is a prefix of ``path``, ``"*"`` matching any one key or index."""
-    return len(path) >= len(pattern) and all(p == "*" or p == q for p, q in zip(pattern, path))
 
 
 RECORDS = {  # leaves that no checkpoint determines, with the reason

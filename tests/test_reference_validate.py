@@ -29,7 +29,7 @@ import time
 import types
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import numpy as np
 import pytest
@@ -41,6 +41,7 @@ from ropestep import tolerances as tl
 from ropestep.reference import validate as reference
 from ropestep.report import dumps, load
 from ropestep.verdict import loads
+from reference_walk import save_bpe_tokenizer, leaves, at, has, field_key, matches
 
 pytestmark = pytest.mark.model
 
@@ -62,19 +63,9 @@ def build_model(path: Path, seed: int = 0) -> Path:
     """Save a byte-level BPE tokenizer (trained on the bundled text) and the seeded Qwen2 of the
     module docstring to ``path``."""
     transformers = pytest.importorskip("transformers")
-    tokenizers = pytest.importorskip("tokenizers")
-    from ropestep.corpus import default_corpus_path
-
-    bpe = tokenizers.Tokenizer(tokenizers.models.BPE())
-    bpe.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
-    bpe.decoder = tokenizers.decoders.ByteLevel()
-    bpe.train([str(default_corpus_path())], tokenizers.trainers.BpeTrainer(
-        vocab_size=512, special_tokens=["<|endoftext|>"], show_progress=False,
-        initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet()))
-    transformers.PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|endoftext|>") \
-        .save_pretrained(path)
+    vocab = save_bpe_tokenizer(path)
     cfg = transformers.Qwen2Config(
-        vocab_size=bpe.get_vocab_size(), hidden_size=HIDDEN, intermediate_size=64,
+        vocab_size=vocab, hidden_size=HIDDEN, intermediate_size=64,
         num_hidden_layers=2, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
         max_position_embeddings=256, rms_norm_eps=1e-6, tie_word_embeddings=True,
         rope_parameters={"rope_type": "default", "rope_theta": 1e6})
@@ -134,40 +125,6 @@ def tiny(tmp_path_factory) -> Case:
 # ---------------------------------------------------------------------------------------------
 # the leaves and their classes
 # ---------------------------------------------------------------------------------------------
-def leaves(x: Any, path: tuple = ()) -> Iterator[tuple[tuple, Any]]:
-    """``(path, value)`` of every leaf (a number, bool, string or None) of a JSON tree."""
-    if isinstance(x, dict):
-        for k, v in x.items():
-            yield from leaves(v, (*path, k))
-    elif isinstance(x, list):
-        for i, v in enumerate(x):
-            yield from leaves(v, (*path, i))
-    else:
-        yield path, x
-
-
-def at(tree: Any, path: tuple) -> Any:
-    for p in path:
-        tree = tree[p]
-    return tree
-
-
-def has(tree: Any, path: tuple) -> bool:
-    try:
-        at(tree, path)
-    except (KeyError, IndexError, TypeError):
-        return False
-    return True
-
-
-def field_key(path: tuple) -> str:
-    """A path with list indices as ``*``: ``rows/*/native/mse``."""
-    return "/".join("*" if isinstance(p, int) else str(p) for p in path)
-
-
-def matches(path: tuple, prefix: tuple) -> bool:
-    """``path`` starts with ``prefix``, whose ``"*"`` entries match anything."""
-    return len(path) >= len(prefix) and all(p == "*" or p == q for p, q in zip(prefix, path))
 
 
 EXEMPT = {  # leaves not computed from the data, with the reason

@@ -42,9 +42,8 @@ from typing import Any
 
 import mpmath as mp
 import numpy as np
-from safetensors.numpy import load_file
 
-from .atlas import augmented, rho, rotate, softmax_output, unit_step
+from .atlas import Dump, augmented, rho, rotate, softmax_output, unit_step  # the same dump layout
 
 MANIFEST, SCHEMA = "validate_raw.json", "ropestep.validate-raw/1"
 PREDICTORS = ("constant", "mean", "frozen", "linear")
@@ -61,20 +60,6 @@ VIOLATION_REL, VIOLATION_ABS = 1e-9, 1e-12  # the slack of a reuse-bound violati
 # ---------------------------------------------------------------------------------------------
 # the dump
 # ---------------------------------------------------------------------------------------------
-@dataclass
-class Dump:
-    """A ``--dump-raw`` directory: the manifest and the tensors, read on demand."""
-
-    path: Path
-    manifest: dict
-
-    def layer(self, layer: int) -> dict[str, np.ndarray]:
-        return load_file(str(self.path / f"layer{layer}.safetensors"))
-
-    def item(self, context: int, layer: int) -> dict[str, np.ndarray]:
-        return load_file(str(self.path / f"context{context}_layer{layer}.safetensors"))
-
-
 def load(path: str | Path) -> Dump:
     """Open a dump; refuse what this reference does not cover (another schema, a bf16 run, a
     score family other than ``"dot"``)."""

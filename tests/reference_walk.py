@@ -1,0 +1,65 @@
+"""Shared by the field-by-field reference tests (tests/test_reference_atlas.py,
+tests/test_reference_validate.py, tests/test_reference_families.py): walking a report's JSON
+tree -- every leaf with its path, paths matched by prefix -- and the tiny models' tokenizer."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+
+
+def leaves(x: Any, path: tuple = ()) -> Iterator[tuple[tuple, Any]]:
+    """``(path, value)`` of every leaf (a number, bool, string or None) of a JSON tree."""
+    if isinstance(x, dict):
+        for k, v in x.items():
+            yield from leaves(v, (*path, k))
+    elif isinstance(x, list):
+        for i, v in enumerate(x):
+            yield from leaves(v, (*path, i))
+    else:
+        yield path, x
+
+
+def at(tree: Any, path: tuple) -> Any:
+    """The subtree at ``path``."""
+    for p in path:
+        tree = tree[p]
+    return tree
+
+
+def has(tree: Any, path: tuple) -> bool:
+    """``tree`` has a subtree at ``path``."""
+    try:
+        at(tree, path)
+    except (KeyError, IndexError, TypeError):
+        return False
+    return True
+
+
+def field_key(path: tuple) -> str:
+    """A path with list indices as ``*``: ``rows/*/native/mse``."""
+    return "/".join("*" if isinstance(p, int) else str(p) for p in path)
+
+
+def matches(path: tuple, pattern: tuple) -> bool:
+    """``pattern`` is a prefix of ``path``, ``"*"`` matching any one key or index."""
+    return len(path) >= len(pattern) and all(p == "*" or p == q for p, q in zip(pattern, path))
+
+
+def save_bpe_tokenizer(path: Path) -> int:
+    """Train a 512-token byte-level BPE on the bundled text, save it to ``path`` as a Hugging
+    Face tokenizer (``<|endoftext|>`` its end of text) and return its vocabulary size."""
+    transformers = pytest.importorskip("transformers")
+    tokenizers = pytest.importorskip("tokenizers")
+    from ropestep.corpus import default_corpus_path
+
+    bpe = tokenizers.Tokenizer(tokenizers.models.BPE())
+    bpe.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = tokenizers.decoders.ByteLevel()
+    bpe.train([str(default_corpus_path())], tokenizers.trainers.BpeTrainer(
+        vocab_size=512, special_tokens=["<|endoftext|>"], show_progress=False,
+        initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet()))
+    transformers.PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|endoftext|>") \
+        .save_pretrained(path)
+    return bpe.get_vocab_size()
