@@ -3,15 +3,17 @@
 (``--dump-raw``; docs/protocol.md section 12).
 
 Every leaf of the report is accounted for: the leaves of a layer's ``reconstruction``, ``reuse``,
-``calibration`` and ``descent`` sections (and its ``contexts``, the model's and the protocol's
-sizes) are recomputed by the reference and compared under a tolerance derived for their kind of
-statistic (:class:`Derived`, :data:`FIELDS`); the run's description is an echo of the dump's
-manifest (equal to it); a few leaves are exempt (``EXEMPT``, ``LABELS``) and the sections not
-recomputed yet are ``PENDING``, each with its reason.  A leaf that is none of these fails, so a
-field added to the report without a reference fails.  Counts and flags must be equal, which needs
+``calibration``, ``descent`` and ``fast`` sections (and its ``contexts``, the model's and the
+protocol's sizes, and the ``verdict``) are recomputed by the reference and compared under a
+tolerance derived for their kind of statistic (:class:`Derived`, :data:`FIELDS`); the run's
+description is an echo of the dump's manifest (equal to it); a few leaves are exempt
+(``EXEMPT``, ``LABELS``, ``VERDICT_LABELS``) and the sections not recomputed yet are
+``PENDING``, each with its reason.  A leaf that is none of these fails, so a field added to the
+report without a reference fails.  Counts and flags must be equal, which needs
 every decision behind them to lie clear of its threshold by more than the two sides' rounding:
 :func:`undecided` checks that on the data.  Planted one-line bugs (``MUTANTS``) must each turn
-the comparison red.
+the comparison red; the verdict's failure path, which the passing data never take, is
+exercised by planting one failing check in both the report and the reference (``FLIPS``).
 
 The model: a tiny seeded Qwen2 (4 query heads on 2 KV heads, head_dim 16, hidden 64, q/k/v
 biases) whose key weights are scaled up (scores spread over several units, far from uniform
@@ -142,15 +144,16 @@ LABELS = ("descent/space", "descent/rule", "descent/query_space/space",  # secti
 PENDING = {  # sections a reference does not recompute yet, with the reason
     ("contexts",): "candidates, their texts, logits and ranks come from the model's logits, "
                    "which the dump does not hold",
-    ("verdict",): "pools every check of a layer, including fast and real_heads (pending)",
-    ("layers", "*", "fast"): "the float32/bfloat16 fast path and its kappa: not recomputed yet",
     ("layers", "*", "real_heads"): "the model's own conventions, rank, positional checks and "
                                    "oracle rows: not recomputed yet",
 }
 ECHOES = ("command", "config", "model", "corpus", "protocol", "seeds")  # the dump's manifest
 SIZES = {"model": ("n_heads", "n_kv_heads", "head_dim", "hidden"),  # from the dumped shapes
          "protocol": ("contexts", "queries", "prefix_len", "query_position", "layers")}
-SECTIONS = ("reconstruction", "reuse", "calibration", "descent", "contexts")
+SECTIONS = ("reconstruction", "reuse", "calibration", "descent", "fast", "contexts")
+# a failure's description: its tolerance and text, and the value it failed with (the reference
+# recomputes which checks fail, where; docs/protocol.md section 12.6)
+VERDICT_LABELS = ("failures/*/value", "failures/*/tol", "failures/*/detail")
 
 
 def leaf_class(path: tuple) -> str:
@@ -164,6 +167,10 @@ def leaf_class(path: tuple) -> str:
         return "label" if any(fnmatch.fnmatchcase(key, p) for p in LABELS) else "recomputed"
     if path[0] in SIZES and len(path) >= 2 and path[1] in SIZES[path[0]]:
         return "recomputed"
+    if path[0] == "verdict":
+        key = field_key(path[1:])
+        return "label" if any(fnmatch.fnmatchcase(key, p) for p in VERDICT_LABELS) else \
+            "recomputed"
     if path[0] in ECHOES:
         return "echo"
     return "unknown"
@@ -543,6 +550,83 @@ class Derived:
         v, t = self.lam_set(space, h)
         return float(t.max() + 2 * gamma(v.size + 1) * np.abs(v).max())
 
+    # -- fast --
+    def fast_base(self, c: int, h: int, dt: str, gauge: str) -> dict[str, Any]:
+        """The fast path's readout in ``dt`` and ``gauge`` against the exact output of its own
+        rounded problem (``FastRows.yF``), per query: ``efast = (a32 + identity_check_tol(
+        float32, kappa, N + 1, d, max|s|)) V`` -- the float32 projections of the rounded
+        inputs (the whole-layer agreement level with ``hidden = m``) plus the readout sum's
+        error at the gauge's condition number -- and ``eid``, the fast path's softmax output
+        against its own readout (shared projections: ``identity_check_tol`` alone)."""
+        f = self.items[c][0][h].fast[dt]
+        a32 = tl.agreement_rel_tol(torch.float32, self.N + 1, self.d, self.m)
+        ic = np.asarray(tl.identity_check_tol(torch.float32, f.kappa_hi[gauge], self.N + 1,
+                                              self.d, f.sigma), dtype=np.float64)
+        return {"f": f, "efast": (a32 + ic) * f.V, "eid": ic * f.V}
+
+    def fast_delta(self, c: int, h: int | str, dt: str, gauge: str, part: str) -> float:
+        """Componentwise bound of the report's difference minus the exact one (per context):
+        ``vs_float64``: the fast readout's ``efast``, the report's float64 ``y^F`` (``eFx``) and
+        the reference's float64 evaluation of the rounded problem (``a64 V``); ``vs_native``:
+        ``efast`` and ``a64 V``; ``identity`` (exact value 0): ``eid``.  The combined write
+        sums the heads' bounds times ``w1`` (:meth:`write`)."""
+        def head(g: int) -> float:
+            fb, b = self.fast_base(c, g, dt, gauge), self.base(c, g)
+            if part == "identity":
+                return float(np.max(fb["eid"]))
+            extra = float(np.max(b["eFx"])) if part == "vs_float64" else 0.0
+            return float(np.max(fb["efast"])) + extra + self.a64 * fb["f"].V
+
+        if h == "combined":
+            return float(self.write(c, head))
+        return head(h)
+
+    def fast_tol(self, dt: str, gauge: str, h: int | str, part: str, kind: str) -> float:
+        """A pooled field (``mse``: the mean over contexts, ``max_abs``: the max): each
+        context's value within its bound (``mse_tol`` around the exact mean square, or the
+        bound squared for the identity), plus the mean's rounding."""
+        tols, vals = [], []
+        for c in range(len(self.items)):
+            delta = self.fast_delta(c, h, dt, gauge, part)
+            if kind == "max_abs":
+                tols.append(delta)
+                continue
+            hrs, wr = self.items[c]
+            if part == "identity":
+                tols.append(delta ** 2)
+                continue
+            if h == "combined":
+                w = sum(x.fast[dt].yF @ x.w_o for x in hrs) + wr.bias
+                other, n = (wr.writeF if part == "vs_float64" else wr.native), self.Q * self.D
+            else:
+                w, x = hrs[h].fast[dt].yF, hrs[h]
+                other, n = (x.yF if part == "vs_float64" else x.native), self.Q * self.r
+            mse = float(np.mean((w - other) ** 2))
+            vals.append(mse)
+            tols.append(mse_tol(mse, delta, n))
+        return max(tols) + (2 * gamma(len(vals) + 1) * max(vals) if vals else 0.0)
+
+    def fast_kappa(self, dt: str, gauge: str) -> float:
+        """``kappa`` (median of the contexts' lower medians, max) over every head and query:
+        the worst error of one query's float32 condition number (order statistics and a mean
+        are 1-Lipschitz), ``sum_j |c_j| A_j V_j / S`` with each factor's float32 error: the
+        coefficients ``e^(3 ds) - 1`` relative plus a few ulp (each score within ``ds``, the
+        coefficient 1-Lipschitz in each score in log scale, ``Z`` too), ``A_j`` within ``dA_j``
+        (``k_dA``), ``V_j`` within ``3 dv + 2 gamma_(N+1) S`` (``k_A``), ``S`` within ``dv``, the
+        sum ``gamma_(N+r+8)`` in float32; for the max key, also the spread of ``kappa`` over the
+        keys within ``2 ds`` of the top (``kappa_spread``), any of which float32 may take."""
+        worst_err = 0.0
+        u = tl.unit_roundoff(torch.float32)
+        for hrs, _ in self.items:
+            for hr in hrs:
+                f = hr.fast[dt]
+                e = (f.kappa_spread[gauge] + f.k_dA[gauge]
+                     + f.kappa_hi[gauge] * (np.expm1(3 * f.ds) + 8 * u)
+                     + f.k_A[gauge] * (3 * f.dv + 2 * (self.N + 1) * u * f.S)
+                     + f.kappa_hi[gauge] * (f.dv / f.S + (self.N + self.r + 8) * u))
+                worst_err = max(worst_err, float(np.max(e)))
+        return worst_err + 2 * gamma(len(self.items) + 1) * worst_err
+
 
 def exact(D: Derived, rest: tuple, value: Any) -> float:
     """Counts, flags, indices, constants, fractions of counts (one correctly rounded division
@@ -694,9 +778,35 @@ def descent_field(D: Derived, rest: tuple, value: Any) -> float:
     return 0.0
 
 
+def fast_field(D: Derived, rest: tuple, value: Any) -> float:
+    """``fast["<dtype>/<gauge>"]``: ``heads[k].{vs_float64, vs_native, identity}.{mse,
+    max_abs}``, ``combined.{vs_float64, vs_native}.{...}`` and ``kappa.{median, max}``.
+
+    What is checked, and why nothing stronger is possible: the fast path rounds in float32
+    (bfloat16: float32 arithmetic on inputs and weights rounded to bfloat16), in an order no
+    reference can reproduce, so its errors are not recomputable to the last digit.  Each is
+    ``|fast - other|`` (or its mean square) with ``other`` an exact quantity or the model's own
+    number; the reference computes the exact value of the same expression with ``fast``
+    replaced by the exact output of the fast path's own rounded problem (``FastRows.yF``, the
+    bf16 rounding of the inputs included), and the report's number must lie within the
+    derived bound of the fast path's arithmetic (:meth:`Derived.fast_delta`; triangle
+    inequality for ``max_abs``, ``mse_tol`` for ``mse``).  That is the report's number pinned
+    to an interval whose width is the rounding the fast path may do and no more: a comparison
+    against the wrong tensor, a wrong bank, gauge or write moves it far outside (the float32
+    bound is ~1e-4 of the value scale; bf16's own effect, ~1e-2, is predicted, not allowed)."""
+    key = rest[1]
+    dt, gauge = key.split("/")
+    if rest[2] == "kappa":
+        return D.fast_kappa(dt, gauge)
+    if rest[2] == "heads":
+        h = D.report["fast"][key]["heads"][rest[3]]["head"]
+        return D.fast_tol(dt, gauge, h, rest[4], rest[5])
+    return D.fast_tol(dt, gauge, "combined", rest[3], rest[4])
+
+
 SECTION_FIELDS: dict[str, Callable[[Derived, tuple, Any], float]] = {
     "reconstruction": recon_field, "reuse": reuse_field, "calibration": calib_field,
-    "descent": descent_field, "contexts": exact,
+    "descent": descent_field, "fast": fast_field, "contexts": exact,
 }
 EXACT_RECON = ("tolerances", "rows_passed", "rows_total", "rows_passed_identity",
                "rows_passed_native")
@@ -902,9 +1012,19 @@ def undecided(ref: reference.Reference) -> list[str]:
     return out
 
 
+def real_heads_failing(report: dict) -> list[str]:
+    """The reference's verdict pools every check but ``real_heads`` (pending): a run whose
+    real-head checks fail cannot have its verdict compared."""
+    return [f"layer {L} context {rec['context']}: real_heads {name} failed (pending: the "
+            "reference's verdict does not pool it)"
+            for L, lr in report["layers"].items()
+            for rec in (lr.get("real_heads") or {}).get("per_context", [])
+            for name, r in rec.items() if isinstance(r, dict) and r.get("ok") is False]
+
+
 def check_case(case: Case) -> dict[str, int]:
     problems, counts = compare(case.report, case.ref)
-    open_ = undecided(case.ref)
+    open_ = undecided(case.ref) + real_heads_failing(case.report)
     print("leaves:", counts, "seconds:", case.seconds)
     assert not open_, "\n".join(open_)
     assert not problems, f"{len(problems)} leaves disagree:\n" + "\n".join(problems[:40])
@@ -963,6 +1083,11 @@ MUTANTS = [  # (the planted bug, the module, its line, the mutation, a leaf that
     ("the native check against the prefix-bank readout, not the full bank's", "protocol",
      '"native": _err(rdF[h], native[h]),', '"native": _err(rdP[h], native[h]),',
      "reconstruction/rows/"),
+    ("the fast path's float64 comparison against the prefix bank's output, not the full bank's",
+     "protocol", '"heads": [{"head": h, "vs_float64": _err(rd[h], stF.y[h]),',
+     '"heads": [{"head": h, "vs_float64": _err(rd[h], stP.y[h]),', "/vs_float64/"),
+    ("the verdict counting a reuse bound with no violation as failed", "protocol",
+     "                if bv:\n", "                if bv >= 0:\n", "verdict/pass"),
 ]
 
 
@@ -1011,6 +1136,49 @@ def test_a_planted_bug_turns_the_comparison_red(tiny, loaded, monkeypatch, bug, 
     problems, _ = compare(result, tiny.ref)
     print(bug, len(problems), problems[:3])
     assert any(leaf in p for p in problems), f"{bug}: no disagreement at {leaf}"
+
+
+FLIPS = {  # one failing check planted in both the report and the reference: (path, value)
+    "native": (("layers", "0", "reconstruction", "rows", 3, "pass_native"), False),
+    "reuse_bound": (("layers", "1", "calibration", "checks", "per_context", 1,
+                     "bound_violations", 2), 1),
+    "refresh_identity": (("layers", "0", "calibration", "checks", "per_context", 0,
+                          "refresh_identity_pass"), False),
+}
+
+
+def planted(tree: dict, path: tuple, value: Any) -> dict:
+    out = loads(dumps(tree))
+    at(out, path[:-1])[path[-1]] = value
+    return out
+
+
+def failing_verdicts(case: Case, verdict_block: Callable[[dict], dict], name: str):
+    path, value = FLIPS[name]
+    rep = planted(case.report, path, value)
+    ref_layers = planted(case.ref.report, path, value)["layers"]
+    return verdict_block(rep), reference.verdict(ref_layers)
+
+
+@pytest.mark.parametrize("name", list(FLIPS))
+def test_a_failing_check_reaches_both_verdicts(tiny, name):
+    """The data pass every check, so the verdict's failure path is exercised by planting one
+    failing check (a flag, a count) in both the report and the reference's sections: both
+    verdicts fail, with the same count and the same (where, check) list."""
+    got, want = failing_verdicts(tiny, protocol.verdict_block, name)
+    assert not want["pass"] and want["failed_checks"] == 1
+    assert (got["pass"], got["failed_checks"]) == (want["pass"], want["failed_checks"])
+    assert [(f["where"], f["check"]) for f in got["failures"]] == \
+        [(f["where"], f["check"]) for f in want["failures"]]
+
+
+def test_a_verdict_ignoring_a_failing_check_is_caught(tiny, monkeypatch):
+    """Planted: the verdict skips the reuse bound's violations.  The tiny data violate no
+    bound, so the bug shows only with a violation planted (as above)."""
+    mod = mutated("protocol", "                if bv:\n", "                if bv and False:\n",
+                  monkeypatch)
+    got, want = failing_verdicts(tiny, mod.verdict_block, "reuse_bound")
+    assert got["pass"] != want["pass"]
 
 
 def test_the_dump_changes_nothing_in_the_report(tiny, loaded, tmp_path, capsys):

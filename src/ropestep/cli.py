@@ -68,8 +68,8 @@ def add_validate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-figures", action="store_true", help="skip the matplotlib figures")
     p.add_argument("--quiet", action="store_true", help="no progress bar and no summary line")
     p.add_argument("--dump-raw", metavar="DIR", default=None,
-                   help="also write the raw tensors the reconstruction, reuse, calibration and "
-                        "descent sections are computed from (inputs, weights, RoPE tables, the "
+                   help="also write the raw tensors the reconstruction, reuse, calibration, "
+                        "descent and fast sections are computed from (inputs, weights, RoPE tables, the "
                         "model's own outputs) and the run's config into DIR "
                         "(docs/protocol.md section 12)")
 

@@ -1076,7 +1076,7 @@ def run(cfg: Config, *, progress: bool = True, command: Sequence[str] | None = N
 
     ``loaded`` may pass an already loaded ``(model, tokenizer, provenance)`` (tests).
     ``dump_raw``: a directory that receives the raw tensors the ``reconstruction``, ``reuse``,
-    ``calibration`` and ``descent`` sections are computed from (:func:`dump_layer`,
+    ``calibration``, ``descent`` and ``fast`` sections are computed from (:func:`dump_layer`,
     :func:`dump_item`, :func:`write_raw_manifest`; docs/protocol.md section 12); the report is
     the same with or without it.
     """

@@ -1,6 +1,6 @@
-"""``ropestep validate``'s ``reconstruction``, ``reuse``, ``calibration`` and ``descent``
-sections recomputed from its ``--dump-raw`` directory (docs/protocol.md section 12),
-independently of the code that wrote them.
+"""``ropestep validate``'s ``reconstruction``, ``reuse``, ``calibration``, ``descent`` and
+``fast`` sections and its ``verdict`` recomputed from its ``--dump-raw`` directory
+(docs/protocol.md section 12), independently of the code that wrote them.
 
 Written from that section alone, one head and one query at a time, in the paper's form wherever
 there is a choice, so that nothing is shared with the fast layer (which works in query space,
@@ -21,6 +21,14 @@ The identity-type fields of ``reconstruction`` (readout against softmax output, 
 the means, the projected writes) and the ``checks`` of ``calibration`` that compare two
 evaluations of one quantity are rounding errors: their exact value, which is what a reference
 can give, is 0 (and every pass flag resting on them true).
+
+The ``fast`` section's numbers are float32 roundings in an order no reference can reproduce:
+the reference gives their exact values, those of the same expressions with the fast path's
+outputs replaced by the exact output of its own rounded problem (:class:`FastRows`: the inputs
+and weights rounded to the storage dtype, so bfloat16's own effect is recomputed, not
+tolerated), and the sizes that bound the float32 rounding around them.  The ``verdict`` pools
+the recomputed checks; ``real_heads`` (not recomputed) is not among them, so it is the verdict
+of a run whose real-head checks pass.
 
 Besides the report (:attr:`Reference.report`) the per-query values behind it are kept
 (:attr:`Reference.rows`, :class:`HeadRows`, :class:`WriteRows`): the tolerances of a comparison
@@ -119,6 +127,7 @@ class HeadRows:
     w_o: np.ndarray
     tau: float
     lq2: float  # tau^2 |W^_q|_F^2: with 1 added, |[L | e_(m+1)]|_F^2 of the input-space form
+    fast: dict[str, FastRows] = field(default_factory=dict)  # per storage dtype (section 12.5)
 
 
 @dataclass
@@ -253,6 +262,142 @@ def distances(P: Projected, s: np.ndarray) -> dict[str, np.ndarray]:
     p /= p.sum(axis=1, keepdims=True)
     return {"score_sup": np.abs(s - s[0]).max(axis=1), "tv": 0.5 * np.abs(p - p[0]).sum(axis=1),
             "input": np.linalg.norm(P.x_q - P.x_q[0], axis=1)}
+
+
+# ---------------------------------------------------------------------------------------------
+# the fast path's problems (section 12.5)
+# ---------------------------------------------------------------------------------------------
+FAST_DTYPES = ("float32", "bfloat16")
+GAUGES = ("original", "maxkey")
+U32 = 2.0 ** -24  # float32's unit roundoff: the fast path's arithmetic for both storage dtypes
+ROUNDED_INPUTS = ("x_bank", "x_query")
+ROUNDED_WEIGHTS = ("w_q", "w_k", "w_v", "b_q", "b_k", "b_v")
+
+
+def round_bf16(a: np.ndarray) -> np.ndarray:
+    """``a`` rounded to bfloat16 (round to nearest, ties to even, from its float32 value: every
+    input here is a float32 number) and returned as float64."""
+    b = np.ascontiguousarray(np.asarray(a, dtype=np.float32)).view(np.uint32).astype(np.uint64)
+    b = (b + 0x7FFF + ((b >> 16) & 1)) & 0xFFFF0000
+    return b.astype(np.uint32).view(np.float32).astype(np.float64)
+
+
+def stored(tensors: dict, names: tuple[str, ...], dtype: str) -> dict:
+    """A copy of ``tensors`` with ``names`` (where present) rounded to the storage ``dtype``:
+    float32 leaves the captured values (already float32) as they are."""
+    if dtype == "float32":
+        return tensors
+    return {k: round_bf16(v) if k in names else v for k, v in tensors.items()}
+
+
+@dataclass
+class FastRows:
+    """One head of one item in one storage dtype of the fast path (section 12.5), from the
+    inputs and weights rounded to that dtype, in float64.
+
+    ``yF`` (``Q x r``): the full-bank output of the rounded problem; ``V``: its value scale
+    (``max |v|`` over the full banks), ``sigma`` (``Q``): ``max_j |s_ij|`` over the full bank.
+    Per gauge (``kappa[g]``, ``Q``): the readout's condition number (max key: at the float64
+    argmax; ``kappa_hi[g]`` the largest and ``kappa_spread[g]`` the largest distance from it
+    over the keys within ``2 ds`` of the top, any of which a float32 evaluation may take).  For
+    the float32 rounding of that number (the largest over those keys): ``k_dA[g]`` =
+    ``sum_j |c_j| V_j dA_j / S`` and ``k_A[g]`` = ``sum_j |c_j| A_j / S``, ``dA_j`` the bound of
+    ``A_j``'s error, ``ds`` (``Q``) that of a float32 score's, ``dv`` that of a float32 value's
+    (each from the absolute terms of the products: ``(m + 4) u`` per projection, rotation and
+    scale, ``(d + 2) u`` per score), ``S`` (``Q``) the largest ``|v|``; ``top_gap`` (``Q``) the
+    largest score minus the runner-up.
+    """
+
+    yF: np.ndarray
+    V: float
+    sigma: np.ndarray
+    kappa: dict[str, np.ndarray]
+    kappa_hi: dict[str, np.ndarray]
+    kappa_spread: dict[str, np.ndarray]
+    k_dA: dict[str, np.ndarray]
+    k_A: dict[str, np.ndarray]
+    ds: np.ndarray
+    dv: float
+    S: np.ndarray
+    top_gap: np.ndarray  # (Q,) the largest score minus the second largest (the max key's margin)
+
+
+def abs_projection(u: np.ndarray, w: np.ndarray, layout: str) -> np.ndarray:
+    """``|u| |W^|`` with each rotation pair's two components added (a bound of the absolute
+    terms of a projected, rotated component: ``|cos|, |sin| <= 1``)."""
+    a = np.abs(u) @ np.abs(w)
+    if layout == "half":
+        h = a.shape[-1] // 2
+        pair = a[..., :h] + a[..., h:]
+        return np.concatenate((pair, pair), axis=-1)
+    pair = a[..., 0::2] + a[..., 1::2]
+    return np.repeat(pair, 2, axis=-1)
+
+
+def fast_rows(item: dict, lay: dict, facts: dict, h: int) -> FastRows:
+    """The rounded problem of head ``h`` (docs/protocol.md section 12.5)."""
+    P = project(item, lay, facts, h)
+    Q, d = P.q.shape
+    m = P.u_b.shape[1] - 1
+    g = h // (facts["n_heads"] // facts["n_kv_heads"])
+    wq = augmented(lay["w_q"], lay.get("b_q"), h)
+    wk = augmented(lay["w_k"], lay.get("b_k"), g)
+    wv = augmented(lay["w_v"], lay.get("b_v"), g)
+    layout = facts["layout"]
+    qa = P.tau * abs_projection(P.u_q, wq, layout)  # (Q, d) >= |q_i| componentwise
+    ka_b = abs_projection(P.u_b, wk, layout)  # (N, d)
+    ka_s = abs_projection(P.u_q, wk, layout)  # (Q, d) own keys
+    gp = (m + 4) * U32  # one float32 projection, rotation and scale: relative to |.| terms
+    gd = (d + 2) * U32
+    dv = float((m + 2) * U32 * max(np.max(np.abs(P.u_b) @ np.abs(wv)),
+                                   np.max(np.abs(P.u_q) @ np.abs(wv))))
+    yF = np.zeros((Q, P.v.shape[1]))
+    sigma, ds, S, gap = (np.zeros(Q) for _ in range(4))
+    kap = {gg: np.zeros(Q) for gg in GAUGES}
+    kdA = {gg: np.zeros(Q) for gg in GAUGES}
+    kA = {gg: np.zeros(Q) for gg in GAUGES}
+    spread = {gg: np.zeros(Q) for gg in GAUGES}
+    khi = {gg: np.zeros(Q) for gg in GAUGES}
+    for i in range(Q):
+        keys, vals = np.vstack((P.k, P.k_self[i])), np.vstack((P.v, P.v_self[i]))
+        ka = np.vstack((ka_b, ka_s[i]))
+        s = keys @ P.q[i]
+        top = float(np.max(s))
+        e = np.exp(s - top)
+        yF[i] = (e @ vals) / np.sum(e)
+        sigma[i] = float(np.max(np.abs(s)))
+        srt = np.sort(s)
+        gap[i] = srt[-1] - srt[-2]
+        # a float32 score: q and k~ each within gp of their absolute terms, the d-term product
+        dsj = gp * (qa[i] @ ka.T) * 2 + gd * (np.abs(P.q[i]) @ np.abs(keys).T)
+        ds[i] = float(np.max(dsj))
+        S[i] = float(np.abs(vals).max())
+        vn = np.abs(vals - vals.mean(axis=0)).max(axis=1) + np.abs(vals).max(axis=1)
+        jstar = int(np.argmax(s))
+        # the keys the float32 evaluation may take as the max key: within 2 ds of the top
+        tied = [jstar, *[j for j in np.flatnonzero(s >= top - 2 * ds[i]) if j != jstar]]
+        for gg in GAUGES:
+            vals_k, vals_dA, vals_A = [], [], []
+            for j in (tied if gg == "maxkey" else [None]):
+                if j is None:
+                    c = coefficients(s)
+                    kc, kca = keys, ka
+                else:
+                    c = rho(s - s[j]) * np.exp(s[j] - top) / np.sum(e)
+                    kc, kca = keys - keys[j], ka + ka[j]
+                A = np.abs(kc) @ np.abs(P.q[i])
+                dA = (gp * (qa[i] @ kca.T) + gp * (np.abs(kc) @ qa[i])
+                      + gd * (np.abs(kc) @ np.abs(P.q[i])))
+                vals_k.append(float(np.sum(np.abs(c) * A * vn) / S[i]))
+                vals_dA.append(float(np.sum(np.abs(c) * dA * vn) / S[i]))
+                vals_A.append(float(np.sum(np.abs(c) * A) / S[i]))
+            kap[gg][i] = vals_k[0]  # at the float64 argmax
+            spread[gg][i] = max(abs(k - vals_k[0]) for k in vals_k)
+            khi[gg][i] = max(vals_k)
+            kdA[gg][i], kA[gg][i] = max(vals_dA), max(vals_A)
+    return FastRows(yF=yF, V=float(max(np.abs(P.v).max(), np.abs(P.v_self).max())),
+                    sigma=sigma, kappa=kap, kappa_hi=khi, kappa_spread=spread, k_dA=kdA,
+                    k_A=kA, ds=ds, dv=dv, S=S, top_gap=gap)
 
 
 def head_rows(item: dict, lay: dict, facts: dict, h: int, dps: int) -> HeadRows:
@@ -759,6 +904,89 @@ def descent(items: list[tuple[list[HeadRows], WriteRows]], heads: list[int]) -> 
 
 
 # ---------------------------------------------------------------------------------------------
+# fast (section 12.5)
+# ---------------------------------------------------------------------------------------------
+def median_low(x: np.ndarray) -> float:
+    """The lower of the two middle values for an even count (``torch.median``'s)."""
+    x = np.sort(np.asarray(x, dtype=np.float64).ravel())
+    return float(x[(x.size - 1) // 2])
+
+
+def fast_entry(items: list[tuple[list[HeadRows], WriteRows]], heads: list[int], dt: str,
+               gauge: str) -> dict:
+    """``layers[L].fast["<dt>/<gauge>"]``: the exact values of the fast path's errors.
+
+    ``vs_float64`` and ``vs_native`` compare the exact output of the problem rounded to ``dt``
+    (``FastRows.yF``: for float32 the captured problem itself, so the exact value is 0) with
+    the exact full-bank output ``y^F`` and with the model's ``y^``; ``identity`` (the fast
+    path's softmax output against its own readout) is a rounding error, exact value 0.  The
+    gauge enters only through ``kappa``."""
+    def pool(parts: list[dict]) -> dict:
+        return {"mse": float(np.mean([p["mse"] for p in parts])),
+                "max_abs": worst(p["max_abs"] for p in parts)}
+
+    ent: dict[str, Any] = {"heads": []}
+    for h in heads:
+        hr = [hrs[h] for hrs, _ in items]
+        ent["heads"].append({"head": h,
+                             "vs_float64": pool([err(x.fast[dt].yF, x.yF) for x in hr]),
+                             "vs_native": pool([err(x.fast[dt].yF, x.native) for x in hr]),
+                             "identity": ZERO})
+    wlp = []
+    for hrs, wr in items:
+        wlp.append(sum(np.einsum("qr,rd->qd", x.fast[dt].yF, x.w_o) for x in hrs) + wr.bias)
+    ent["combined"] = {"vs_float64": pool([err(w, wr.writeF) for w, (_, wr) in zip(wlp, items)]),
+                       "vs_native": pool([err(w, wr.native) for w, (_, wr) in zip(wlp, items)])}
+    ks = [np.concatenate([x.fast[dt].kappa[gauge] for x in hrs]) for hrs, _ in items]
+    ent["kappa"] = {"median": float(np.median([median_low(k) for k in ks])),
+                    "max": worst(np.max(k) for k in ks)}
+    return ent
+
+
+def fast_section(items: list[tuple[list[HeadRows], WriteRows]], heads: list[int]) -> dict:
+    """``layers[L].fast``."""
+    return {f"{dt}/{g}": fast_entry(items, heads, dt, g) for dt in FAST_DTYPES for g in GAUGES}
+
+
+# ---------------------------------------------------------------------------------------------
+# verdict (section 12.6)
+# ---------------------------------------------------------------------------------------------
+FAILURE_KEYS = ("where", "check", "value", "tol", "detail")
+
+
+def failure(where: str, check: str, value: Any = None, detail: str = "") -> dict:
+    return {"where": where, "check": check, "value": value, "tol": None, "detail": detail}
+
+
+def layer_failures(L: str, lr: dict) -> list[dict]:
+    """The failed checks of one recomputed layer, in the verdict's order (docs/protocol.md
+    section 12.6): the reconstruction rows' checks, then per context the reuse bound, the
+    frozen cross-check and the refresh identity.  The checks on non-finite numbers (a
+    tokenwise agreement, the fast path's contexts, the pooled sections' safety net) never fail
+    here: every exact value is finite.  ``real_heads`` is not recomputed and not pooled.  A
+    failure's ``value``, ``tol`` and ``detail`` describe it; the reference leaves them empty."""
+    out = []
+    for row in lr["reconstruction"]["rows"]:
+        for check in failed_checks(row):
+            out.append(failure(f"layer {L} context {row['context']} head {row['head']}", check))
+    for pc in lr["calibration"]["checks"]["per_context"]:
+        w = f"layer {L} context {pc['context']}"
+        for h, bv in zip(pc["heads"], pc["bound_violations"]):
+            if bv:
+                out.append(failure(f"{w} head {h}", "reuse_bound", bv))
+        for name in ("frozen_crosscheck", "refresh_identity"):
+            if not pc[f"{name}_pass"]:
+                out.append(failure(w, name))
+    return out
+
+
+def verdict(layers: dict[str, dict]) -> dict:
+    """``verdict``: ``pass`` when no layer fails a check, ``failed_checks`` their number."""
+    fails = [f for L, lr in layers.items() for f in layer_failures(L, lr)]
+    return {"pass": not fails, "failed_checks": len(fails), "failures": fails}
+
+
+# ---------------------------------------------------------------------------------------------
 # the whole recomputation
 # ---------------------------------------------------------------------------------------------
 @dataclass
@@ -780,6 +1008,10 @@ def layer_items(dump: Dump, layer: int, contexts: list[int],
     for c in contexts:
         item = dump.item(c, layer)
         hrs = [head_rows(item, lay, facts, h, dps) for h in range(facts["n_heads"])]
+        for dt in FAST_DTYPES:
+            it, ly = stored(item, ROUNDED_INPUTS, dt), stored(lay, ROUNDED_WEIGHTS, dt)
+            for hr in hrs:
+                hr.fast[dt] = fast_rows(it, ly, facts, hr.head)
         out.append((hrs, write_rows(hrs, item, lay)))
     return out
 
@@ -793,7 +1025,8 @@ def layer_report(items: list[tuple[list[HeadRows], WriteRows]], heads: list[int]
     const0 = reu["combined"]["predictors"]["constant"]["mse"]["anchor0"]
     return {"reconstruction": reconstruction(rows, heads), "reuse": reu,
             "calibration": calibration(items, heads, const0),
-            "descent": descent(items, heads), "contexts": len(items)}
+            "descent": descent(items, heads), "fast": fast_section(items, heads),
+            "contexts": len(items)}
 
 
 def sizes(dump: Dump, layers: list[int], contexts: list[int]) -> tuple[dict, dict]:
@@ -823,4 +1056,5 @@ def recompute(path: str | Path, *, dps: int = 30) -> Reference:
         rows.update({(L, c): it for c, it in zip(contexts, its)})
         report["layers"][str(L)] = layer_report(its, heads)
     report["model"], report["protocol"] = sizes(dump, layers, contexts)
+    report["verdict"] = verdict(report["layers"])
     return Reference(report, rows, dump.manifest)
