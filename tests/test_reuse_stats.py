@@ -223,3 +223,16 @@ def test_nonfinite_values_propagate():
     assert math.isnan(fz["mse"]["all"])  # the anchor average keeps it too
     assert math.isnan(rs.max_abs([1.0, nan], [0.0, 0.0])) and math.isnan(rs.mse([nan], [0.0]))
     assert not rs.allclose_report([nan], [nan], 1.0, 1.0)
+
+
+def test_heads_beating_constant_counts_only_defined_ratios_below_one():
+    """Head 0 beats its baseline, head 1 does not, head 2's ratio is NaN and head 3's constant
+    baseline is exactly 0 (rRMSE undefined: None).  Only head 0 counts; the others are named."""
+    def row(h, frozen, const):
+        return {"head": h, **rs.reuse_table({"constant": np.array([[const]]),
+                                             "frozen": np.array([[frozen]])}, np.array([[1.0]]))}
+    per_head = [row(0, 0.25, 1.0), row(1, 4.0, 1.0), row(2, math.nan, 1.0), row(3, 1.0, 0.0)]
+    got = rs.heads_beating_constant(per_head, which="anchor0")
+    assert got["heads"] == [0] and got["count"] == 1 and got["of"] == 4
+    assert got["range"] == [0.5, 0.5]  # sqrt(0.25 / 1), exact
+    assert got["nonfinite"] == [2] and got["undefined"] == [3]

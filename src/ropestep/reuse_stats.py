@@ -164,15 +164,18 @@ def heads_beating_constant(per_head: Sequence[Mapping[str, Any]], predictor: str
     against their OWN constant-anchor baseline is below 1, and the range of those rRMSEs.
 
     ``per_head`` holds ``{"head": h, **reuse_table(...)}`` rows.  A non-finite rRMSE is never
-    counted below 1 (and is listed under ``nonfinite``)."""
-    vals = [(int(r["head"]), float(r["predictors"][predictor]["rrmse"][which])) for r in per_head]
+    counted below 1 (and is listed under ``nonfinite``); nor is an undefined one (``None``: the
+    head's constant baseline is exactly 0, :func:`ratio_root`), listed under ``undefined``."""
+    raw = [(int(r["head"]), r["predictors"][predictor]["rrmse"][which]) for r in per_head]
+    undefined = [h for h, v in raw if v is None]
+    vals = [(h, float(v)) for h, v in raw if v is not None]
     below = [(h, v) for h, v in vals if math.isfinite(v) and v < 1.0]
     return {"predictor": predictor, "anchors": which,
             "rule": f"{which}-anchor rRMSE of the {predictor} predictor against the head's own "
                     "constant-anchor output < 1",
-            "heads": [h for h, _ in below], "count": len(below), "of": len(vals),
+            "heads": [h for h, _ in below], "count": len(below), "of": len(raw),
             "range": [min(v for _, v in below), max(v for _, v in below)] if below else None,
-            "nonfinite": [h for h, v in vals if not math.isfinite(v)]}
+            "nonfinite": [h for h, v in vals if not math.isfinite(v)], "undefined": undefined}
 
 
 # ---------------------------------------------------------------------------------------------
