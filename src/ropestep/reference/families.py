@@ -36,6 +36,8 @@ from pathlib import Path
 import numpy as np
 from safetensors.numpy import load_file
 
+from . import atlas as atlas_ref  # one rotation for every reference
+
 CHECKPOINT_SCHEMA = "ropestep.train_families.checkpoint/1"
 VARIANTS = ("standard", "cosine", "perhead")
 N_REUSE = 4  # frozen reuse: the last 4 tokens read the prefix bank (docs/math.md section 11)
@@ -212,13 +214,7 @@ def rotate(z: np.ndarray, pos: np.ndarray, omega: np.ndarray, layout: str) -> np
     """RoPE: rows ``z (T, d)`` at positions ``pos (T,)`` turned by ``pos * omega_l`` in pair
     ``l`` (dimensions ``l, l + d/2`` split-half, ``2l, 2l+1`` interleaved)."""
     ang = np.asarray(pos, dtype=np.float64)[:, None] * omega[None, :]
-    cos, sin = np.cos(ang), np.sin(ang)
-    if layout == "half":
-        h = z.shape[-1] // 2
-        z1, z2 = z[..., :h], z[..., h:]
-        return np.concatenate((z1 * cos - z2 * sin, z2 * cos + z1 * sin), axis=-1)
-    z1, z2 = z[..., 0::2], z[..., 1::2]
-    return np.stack((z1 * cos - z2 * sin, z2 * cos + z1 * sin), axis=-1).reshape(z.shape)
+    return atlas_ref.rotate(z, np.cos(ang), np.sin(ang), layout)
 
 
 def unit_rows(z: np.ndarray) -> np.ndarray:
