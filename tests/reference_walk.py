@@ -3,6 +3,7 @@ tests/test_reference_validate.py, tests/test_reference_families.py): walking a r
 tree -- every leaf with its path, paths matched by prefix -- and the tiny models' tokenizer."""
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -63,3 +64,20 @@ def save_bpe_tokenizer(path: Path) -> int:
     transformers.PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|endoftext|>") \
         .save_pretrained(path)
     return bpe.get_vocab_size()
+
+
+NONFINITE = ("nan", "inf", "-inf")  # how report.json writes a non-finite number
+
+
+def agrees(value: Any, want: Any, tol: float) -> bool:
+    """A report leaf ``value`` against the reference's ``want``: numbers within ``tol``; NaN only
+    against NaN (the report writes a non-finite number as the string ``"nan"``, ``"inf"`` or
+    ``"-inf"``); strings, None and bools equal, a bool never equal to a number."""
+    if value in NONFINITE and isinstance(want, float):
+        value = float(value)
+    if isinstance(value, (str, type(None), bool)) or isinstance(want, (str, type(None), bool)):
+        return value == want and type(value) is type(want)
+    a, b = float(value), float(want)
+    if math.isnan(a) or math.isnan(b):
+        return math.isnan(a) and math.isnan(b)
+    return abs(a - b) <= tol

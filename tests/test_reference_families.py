@@ -47,7 +47,7 @@ from ropestep import tolerances as tl  # noqa: E402
 from ropestep import train_families as tf  # noqa: E402
 from ropestep.corpus import default_corpus_path  # noqa: E402
 from ropestep.reference import families as reference  # noqa: E402
-from reference_walk import leaves, at, has, matches
+from reference_walk import agrees, leaves, at, has, matches
 
 U64 = 2.0 ** -53
 F64, F32 = torch.float64, torch.float32
@@ -680,21 +680,6 @@ def tolerance(D: Derived, path: tuple, value: Any) -> float | None:
 # ---------------------------------------------------------------------------------------------
 # the comparison
 # ---------------------------------------------------------------------------------------------
-NONFINITE = ("nan", "inf", "-inf")
-
-
-def agrees(value: Any, want: Any, tol: float) -> bool:
-    """Numbers within ``tol``; NaN only against NaN; strings, None and bools equal (the report
-    writes a non-finite number as the string ``"nan"``, ``"inf"`` or ``"-inf"``)."""
-    if value in NONFINITE and isinstance(want, float):
-        value = float(value)
-    if isinstance(value, (str, type(None), bool)) or isinstance(want, (str, type(None), bool)):
-        return value == want and type(value) is type(want)
-    a, b = float(value), float(want)
-    if math.isnan(a) or math.isnan(b):
-        return math.isnan(a) and math.isnan(b)
-    return abs(a - b) <= tol
-
 
 def compare(report: dict, ref: reference.Reference) -> tuple[list[str], dict[str, int]]:
     """Every leaf of ``report`` against the reference: the problems, and how many leaves of each

@@ -43,7 +43,7 @@ from ropestep import tolerances as tl
 from ropestep.reference import validate as reference
 from ropestep.report import dumps, load
 from ropestep.verdict import loads
-from reference_walk import save_bpe_tokenizer, leaves, at, has, field_key, matches
+from reference_walk import agrees, save_bpe_tokenizer, leaves, at, has, field_key, matches
 
 pytestmark = pytest.mark.model
 
@@ -833,17 +833,6 @@ def tolerance(D: Derived, path: tuple, value: Any) -> float:
 # ---------------------------------------------------------------------------------------------
 # the comparison
 # ---------------------------------------------------------------------------------------------
-def agrees(value: Any, expected: Any, tol: float) -> bool:
-    """``value`` within ``tol`` of ``expected``; NaN only against NaN; bools, strings and None
-    equal (a bool is never a number here)."""
-    if isinstance(value, (str, type(None), bool)) or isinstance(expected, (str, type(None),
-                                                                           bool)):
-        return value == expected and type(value) is type(expected)
-    v, e = float(value), float(expected)
-    if math.isnan(v) or math.isnan(e):
-        return math.isnan(v) and math.isnan(e)
-    return abs(v - e) <= tol
-
 
 def compare(report: dict, ref: reference.Reference) -> tuple[list[str], dict[str, int]]:
     """Every leaf of ``report`` against the reference: the problems, and how many leaves of each
