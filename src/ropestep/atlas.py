@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import resource
 import sys
 import time
@@ -491,8 +490,8 @@ def run(cfg: AtlasConfig, *, progress: bool = True, command: Sequence[str] | Non
     ``dist_info = (rank, world)`` under torchrun (:func:`ropestep.dist.init_distributed`):
     every rank computes its share of the (context, layer) items, rank 0 gathers them and
     returns the report; the other ranks return None.  ``dump_raw``: a directory that receives
-    the raw tensors every statistic is computed from (:func:`dump_layer`, :func:`dump_item`,
-    :func:`write_raw_manifest`; docs/protocol.md section 11).
+    the raw tensors every statistic is computed from (:func:`ropestep.protocol.dump_layer`,
+    :func:`dump_item`, :func:`write_raw_manifest`; docs/protocol.md section 11).
     """
     from . import models, protocol
     from .corpus import load_corpus, select_blocks, tokenizer_fn
@@ -540,7 +539,7 @@ def run(cfg: AtlasConfig, *, progress: bool = True, command: Sequence[str] | Non
                                         device=cfg.device)
             specs[L] = (spec, int(cap.x.shape[1]))
             if dump_raw is not None:
-                dump_layer(dump_raw, L, spec, w)
+                protocol.dump_layer(dump_raw, L, spec, w)  # once per layer
                 dump_item(dump_raw, c, L, cap)
             if cfg.replication_only:
                 res = _final_query_only(spec, w, cap, L, cfg, timers)
@@ -625,39 +624,15 @@ RAW_SCHEMA = "ropestep.atlas-raw/1"
 RAW_MANIFEST = "atlas_raw.json"
 
 
-def _save_tensors(path: Path, tensors: dict[str, Any]) -> None:
-    """One safetensors file, written under a temporary name and renamed into place (under
-    torchrun several ranks share the directory)."""
-    from safetensors.torch import save
-
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_bytes(save({k: torch.as_tensor(v).detach().cpu().contiguous()
-                          for k, v in tensors.items()}))
-    os.replace(tmp, path)
-
-
-def dump_layer(out: Path, layer: int, spec: HeadSpec, w: HeadWeights) -> None:
-    """``layer{L}.safetensors``, once per layer: the q/k/v weights and biases in the suite's
-    math layout (``w_q (m, H, d)``, ``b_q (H, d)``, ...; a bias the model lacks is absent), the
-    model's own RoPE tables ``cos``/``sin`` ``(N, d/2)`` and the per-head score scales."""
-    path = out / f"layer{layer}.safetensors"
-    if path.exists():
-        return
-    scales = torch.tensor([spec.score_scale(h) for h in range(spec.n_heads)],
-                          dtype=torch.float64)
-    tensors = {"w_q": w.w_q, "w_k": w.w_k, "w_v": w.w_v, "cos": spec.rope.cos,
-               "sin": spec.rope.sin, "score_scale": scales}
-    tensors.update({k: b for k, b in (("b_q", w.b_q), ("b_k", w.b_k), ("b_v", w.b_v))
-                    if b is not None})
-    _save_tensors(path, tensors)
-
 
 def dump_item(out: Path, context: int, layer: int, cap: Any) -> None:
     """``context{c}_layer{L}.safetensors``: the layer's attention input ``x (N, m)`` (after the
     input norm), the positions ``(N,)`` and the model's own per-head attention outputs
     ``native (N, H, r)`` (the ``o_proj`` input, what the atlas compares with), as captured:
     in the model's dtype."""
-    _save_tensors(out / f"context{context}_layer{layer}.safetensors",
+    from .protocol import save_tensors
+
+    save_tensors(out / f"context{context}_layer{layer}.safetensors",
                   {"x": cap.x, "positions": cap.positions, "native": cap.heads})
 
 

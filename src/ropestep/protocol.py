@@ -1252,8 +1252,10 @@ RAW_MANIFEST = "validate_raw.json"
 RAW_ECHOES = ("command", "config", "model", "corpus", "protocol", "seeds")
 
 
-def _save_tensors(path: Path, tensors: dict[str, Any]) -> None:
-    """One safetensors file, written under a temporary name and renamed into place."""
+def save_tensors(path: Path, tensors: dict[str, Any]) -> None:
+    """One safetensors file of the raw dumps (``validate`` and ``atlas --dump-raw``), written
+    under a temporary name and renamed into place (under torchrun several ranks share the
+    directory)."""
     from safetensors.torch import save
 
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
@@ -1267,14 +1269,17 @@ def dump_layer(out: Path, layer: int, spec: Any, w: Any) -> None:
     layout (``w_q (m, H, d)``, ``w_k``/``w_v (m, H_kv, d)``, ``b_q (H, d)``, ``b_k``/``b_v
     (H_kv, d)``, ``w_o (H, r, D)``, ``b_o (D,)``; a bias the model lacks is absent) in float64
     (exactly the model's values), the model's own RoPE tables ``cos``/``sin`` ``(P, d/2)``
-    (``P`` = the prefix length, positions ``0 .. P-1``) and the per-head score scales."""
+    (``P`` = the prefix length, positions ``0 .. P-1``) and the per-head score scales.  Written
+    once: a layer already dumped is left as it is (``atlas --dump-raw`` calls it per context)."""
+    if (out / f"layer{layer}.safetensors").exists():
+        return
     scales = torch.tensor([spec.score_scale(h) for h in range(spec.n_heads)],
                           dtype=torch.float64)
     tensors = {"w_q": w.w_q, "w_k": w.w_k, "w_v": w.w_v, "w_o": w.w_o,
                "cos": spec.rope.cos, "sin": spec.rope.sin, "score_scale": scales}
     tensors.update({k: b for k, b in (("b_q", w.b_q), ("b_k", w.b_k), ("b_v", w.b_v),
                                       ("b_o", w.b_o)) if b is not None})
-    _save_tensors(out / f"layer{layer}.safetensors", tensors)
+    save_tensors(out / f"layer{layer}.safetensors", tensors)
 
 
 def dump_item(out: Path, context: int, layer: int, cap: ContextCapture,
@@ -1297,7 +1302,7 @@ def dump_item(out: Path, context: int, layer: int, cap: ContextCapture,
     tensors = {k: v.to(model_dtype) for k, v in tensors.items()}
     tensors.update(positions_bank=torch.arange(N), positions_query=torch.full((Q,), N),
                    candidates=torch.as_tensor(cap.candidates, dtype=torch.long))
-    _save_tensors(out / f"context{context}_layer{layer}.safetensors", tensors)
+    save_tensors(out / f"context{context}_layer{layer}.safetensors", tensors)
 
 
 def write_raw_manifest(out: Path, result: dict, specs: dict[int, tuple[Any, Any]],
