@@ -642,8 +642,9 @@ def _attention32(x, w, cos, sin, scale_, form):
 def emulated_head(x, w, cos, sin, scale_, order: str) -> np.ndarray:
     """One causal RoPE head (half layout) evaluated in 24-bit arithmetic (mpmath at
     ``prec = 24``: every operation correctly rounded to float32's precision, so the result is
-    the same on every machine) in a fixed summation order: ``"forward"`` (terms in index order,
-    the bias added last) or ``"reverse"`` (reverse index order, the bias first).  Two such orders
+    the same on every machine) in a fixed summation order: ``"forward"`` (every sum's terms in
+    index order) or ``"reverse"`` (in reverse index order); a projection's bias is added last in
+    both.  Two such orders
     are two legitimate float32 evaluations of the same head -- what CAPTURE_K and CAPTURE_FLOOR
     compare -- with their rounding forced rather than chosen by this machine's BLAS."""
     def acc(terms):
@@ -665,6 +666,7 @@ def emulated_head(x, w, cos, sin, scale_, order: str) -> np.ndarray:
             rows = []
             for i in range(n):
                 prods = [X[i][k] * Wm[k][c] for c in range(d) for k in range(m)]
+                # acc reverses the list for "reverse": the bias comes last either way
                 rows.append([acc(([bm[c]] if order == "reverse" else [])
                                  + prods[c * m:(c + 1) * m]
                                  + ([bm[c]] if order == "forward" else [])) for c in range(d)])
