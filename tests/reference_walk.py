@@ -81,3 +81,10 @@ def agrees(value: Any, want: Any, tol: float) -> bool:
     if math.isnan(a) or math.isnan(b):
         return math.isnan(a) and math.isnan(b)
     return abs(a - b) <= tol
+
+
+def missing_from(report: Any, reference: Any) -> list[str]:
+    """One problem per leaf the reference computed that the report does not have (a field the
+    report lost is a failure, as is one it gained without a reference)."""
+    return [f"{'/'.join(map(str, path))}: the reference has {value!r}, the report has no such "
+            "leaf" for path, value in leaves(reference) if not has(report, path)]

@@ -47,7 +47,7 @@ from ropestep import tolerances as tl  # noqa: E402
 from ropestep import train_families as tf  # noqa: E402
 from ropestep.corpus import default_corpus_path  # noqa: E402
 from ropestep.reference import families as reference  # noqa: E402
-from reference_walk import agrees, leaves, at, has, matches
+from reference_walk import missing_from, agrees, leaves, at, has, matches
 
 U64 = 2.0 ** -53
 F64, F32 = torch.float64, torch.float32
@@ -711,10 +711,7 @@ def compare(report: dict, ref: reference.Reference) -> tuple[list[str], dict[str
             elif not agrees(value, want, t):
                 problems.append(f"{where}: report {value!r}, reference {want!r}, "
                                 f"tolerance {t:.3g}")
-    for path, value in leaves(ref.report):
-        if not has(report, path):
-            problems.append(f"{'/'.join(map(str, path))}: the reference has {value!r}, the "
-                            "report has no such leaf")
+    problems += missing_from(report, ref.report)
     return problems, counts
 
 

@@ -43,7 +43,7 @@ from ropestep import tolerances as tl
 from ropestep.reference import validate as reference
 from ropestep.report import dumps, load
 from ropestep.verdict import loads
-from reference_walk import agrees, save_bpe_tokenizer, leaves, at, has, field_key, matches
+from reference_walk import missing_from, agrees, save_bpe_tokenizer, leaves, at, has, field_key, matches
 
 pytestmark = pytest.mark.model
 
@@ -860,10 +860,7 @@ def compare(report: dict, ref: reference.Reference) -> tuple[list[str], dict[str
             if not agrees(value, expected, t):
                 problems.append(f"{where}: validate {value!r}, reference {expected!r}, "
                                 f"tolerance {t:.3g}")
-    for path, value in leaves(ref.report):
-        if not has(report, path):
-            problems.append(f"{'/'.join(map(str, path))}: the reference has {value!r}, the "
-                            "report has no such leaf")
+    problems += missing_from(report, ref.report)
     return problems, counts
 
 
