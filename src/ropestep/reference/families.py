@@ -27,7 +27,6 @@ Imports: numpy and safetensors' numpy reader; nothing of ropestep and not torch.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 from dataclasses import dataclass, field
@@ -36,6 +35,7 @@ from pathlib import Path
 import numpy as np
 from safetensors.numpy import load_file
 
+from ..provenance import sha256_file  # a file hash: no arithmetic of the suite
 from . import atlas as atlas_ref  # one rotation for every reference
 
 CHECKPOINT_SCHEMA = "ropestep.train_families.checkpoint/1"
@@ -96,14 +96,6 @@ def load(run_dir: str | Path) -> dict[str, Checkpoint]:
         weights = {k: a.astype(np.float64) for k, a in load_file(str(st)).items()}
         out[v] = Checkpoint(v, info, weights, st)
     return out
-
-
-def sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -728,7 +720,7 @@ def variant_block(ck: Checkpoint, rec: dict, inputs: list[list[np.ndarray]], max
            **losses_summary(rec),
            "checkpoint": {"weights": f"checkpoints/{info['weights']}",
                           "config": f"checkpoints/{ck.variant}.json",
-                          "weights_sha256": sha256(ck.path)},
+                          "weights_sha256": sha256_file(ck.path)},
            "suite": suite(ck, inputs, maxkey_tie, rows),
            "heads_diagnostics": heads_diagnostics(ck),
            "passed": finite_records(rec), **learned(ck, rec)}
