@@ -216,20 +216,7 @@ def test_describe_smollm2(smollm2):
     assert info.max_positions == 8192
 
 
-REFUSED = {
-    "yarn": (dict(rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6,
-                                   "original_max_position_embeddings": 256}), "rope_type='yarn'"),
-    "linear": (dict(rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6}),
-               "rope_type='linear'"),
-    "dynamic": (dict(rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e6}),
-                "rope_type='dynamic'"),
-    "sliding": (dict(use_sliding_window=True, sliding_window=64, max_window_layers=1),
-                "sliding-window"),
-    "partial_rotary": (dict(rope_parameters={"rope_type": "default", "rope_theta": 1e6,
-                                             "partial_rotary_factor": 0.5}), "partial rotary"),
-    "softcap": (dict(attn_logit_softcapping=50.0), "soft-capping"),
-    "scaling": (dict(query_pre_attn_scalar=256), "attention scaling"),
-    "heads_mismatch": (dict(hidden_size=900), "num_attention_heads"),
+REFUSED = {  # refused from the config alone, before any weight loads
     "gqa_mismatch": (dict(num_key_value_heads=3), "does not divide"),
 }
 
@@ -244,6 +231,36 @@ def test_refuses_unsupported_configs(case, tiny_config):
     assert "\n" not in str(exc.value)
 
 
+def test_refuses_latent_attention():
+    from transformers import AutoConfig
+
+    config = AutoConfig.for_model("deepseek_v3", num_hidden_layers=1)
+    with pytest.raises(UnsupportedModelError, match="multi-head latent attention"):
+        models.describe_model(config)
+
+
+READ = {  # conventions the model's own modules and tensors state (read, not refused)
+    "yarn": dict(rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6,
+                                  "original_max_position_embeddings": 256}),
+    "linear": dict(rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6}),
+}  # partial rotary, interleaved pairs, windows, soft-caps, fused layouts: the architecture
+# matrix (tests/test_architectures.py), on the architectures that use them
+
+
+@pytest.mark.parametrize("case", sorted(READ))
+def test_reads_rope_variants_from_the_model(case, build_tiny):
+    model = build_tiny("llama", seed=5, num_hidden_layers=1, hidden_size=256,
+                       num_attention_heads=4, num_key_value_heads=2, **READ[case])
+    conv = models.describe_model(model).layers[0]
+    rot = model.model.rotary_emb
+    assert conv.rotary == "rotary_emb" and conv.pairing == "half"
+    assert conv.rotary_dim == 2 * rot.inv_freq.numel()
+    assert conv.amplitude == pytest.approx(float(rot.attention_scaling), rel=1e-7)
+    spec, w = models.layer_head(model, 0, 40)
+    assert spec.scale == pytest.approx(conv.scaling * conv.amplitude ** 2, rel=1e-15)
+    # unit tables: cos^2 + sin^2 = 1 to the model dtype's rounding (its tables divided by a)
+    mag = spec.rope.cos.pow(2) + spec.rope.sin.pow(2)
+    assert (mag - 1).abs().max() <= 8 * 2.0 ** -24
 # The attention-relevant fields of Qwen/Qwen2.5-0.5B's config.json (docs/protocol.md, Setup):
 # legacy top-level rope_theta, a sliding_window value that is switched off by use_sliding_window.
 QWEN25_05B_CONFIG = {
@@ -265,35 +282,46 @@ def test_accepts_the_papers_qwen25_config():
     assert info.qkv_bias and not info.o_bias
 
 
-def test_refuses_unknown_architecture():
+def test_refuses_an_architecture_without_rope():
     from transformers import GPT2Config
 
-    with pytest.raises(UnsupportedModelError, match="model_type='gpt2'"):
+    with pytest.raises(UnsupportedModelError, match="model_type='gpt2'.*no RoPE"):
         models.describe_model(GPT2Config(n_layer=1))
 
 
-def test_load_refuses_before_loading_weights(tmp_path, tiny_config):
-    tiny_config("qwen2", rope_parameters={"rope_type": "linear", "factor": 2.0,
-                                          "rope_theta": 1e6}).save_pretrained(tmp_path)
-    with pytest.raises(UnsupportedModelError, match="rope_type='linear'"):
+def test_load_refuses_before_loading_weights(tmp_path):
+    from transformers import GPT2Config
+
+    GPT2Config(n_layer=1).save_pretrained(tmp_path)
+    with pytest.raises(UnsupportedModelError, match="no RoPE"):
         models.load_model(tmp_path, tokenizer=False)  # only config.json: no weights to load
 
 
-@pytest.mark.parametrize("attr,value,match", [
-    ("scaling", 0.2, "scaling"),
-    ("num_key_value_groups", 2, "num_key_value_groups"),
-    ("sliding_window", 128, "sliding-window"),
-])
-def test_refuses_modified_attention_modules(tiny_qwen2, monkeypatch, attr, value, match):
-    monkeypatch.setattr(tiny_qwen2.model.model.layers[1].self_attn, attr, value)
-    with pytest.raises(UnsupportedModelError, match=match):
+def test_reads_modified_attention_modules(tiny_qwen2, monkeypatch):
+    """The score scale and window are read from what the layer does, not from a table."""
+    attn = tiny_qwen2.model.model.layers[1].self_attn
+    monkeypatch.setattr(attn, "scaling", 0.2)
+    monkeypatch.setattr(attn, "sliding_window", 128)
+    conv = models.describe_model(tiny_qwen2.model).layers[1]
+    assert (conv.scaling, conv.window) == (0.2, 128)
+    assert models.layer_head(tiny_qwen2.model, 1, 8)[0].scale == 0.2
+    with pytest.raises(UnsupportedModelError, match="window of 128 keys binds"):
+        models.layer_head(tiny_qwen2.model, 1, 200)
+
+
+def test_refuses_a_broken_attention_module(tiny_qwen2, monkeypatch):
+    monkeypatch.setattr(tiny_qwen2.model.model.layers[1].self_attn, "num_key_value_groups", 2)
+    with pytest.raises(UnsupportedModelError, match="forward"):
         models.layer_head(tiny_qwen2.model, 0, 8)
 
 
-def test_refuses_scaled_rotary(tiny_qwen2, monkeypatch):
+def test_reads_scaled_rotary(tiny_qwen2, monkeypatch):
     monkeypatch.setattr(tiny_qwen2.model.model.rotary_emb, "attention_scaling", 1.1)
-    with pytest.raises(UnsupportedModelError, match="attention_scaling"):
-        models.layer_head(tiny_qwen2.model, 0, 8)
+    conv = models.describe_model(tiny_qwen2.model).layers[0]
+    a = float(torch.tensor(1.1, dtype=torch.float32))
+    assert conv.amplitude == a
+    spec, _ = models.layer_head(tiny_qwen2.model, 0, 8)
+    assert spec.scale == pytest.approx(0.125 * a * a, rel=1e-15)
 
 
 @pytest.mark.parametrize("layer", [2, -1, 99])
@@ -415,6 +443,7 @@ def test_capture_matches_an_independent_hook_and_stops_early(tiny_qwen2):
     def l1_ran(mod, args, out):
         seen["l1"] = True
 
+    models.describe_model(model)  # read once first: the reading's own forward runs every layer
     h1 = model.model.layers[0].self_attn.q_proj.register_forward_hook(q_in)
     h2 = model.model.layers[1].register_forward_hook(l1_ran)
     try:
@@ -432,7 +461,14 @@ def test_capture_matches_an_independent_hook_and_stops_early(tiny_qwen2):
 
 def test_capture_guard_raises_when_a_hook_did_not_fire(tiny_qwen2, monkeypatch):
     blk = tiny_qwen2.model.model.layers[1]
+    info = models.describe_model(tiny_qwen2.model)
     monkeypatch.setattr(blk, "forward", lambda hidden_states, *a, **k: hidden_states)
+    # a fresh reading sees the layer skipped ...
+    with pytest.raises(UnsupportedModelError, match="ran 0 times"):
+        models.describe_model(tiny_qwen2.model, fresh=True)
+    # ... and so does the capture's own guard, given the earlier reading
+    tiny_qwen2.model.__dict__["_ropestep_conventions"] = (
+        models.conventions._fingerprint(tiny_qwen2.model), info)
     with pytest.raises(RuntimeError, match="hooks fired"):
         models.capture(tiny_qwen2.model, tiny_qwen2.ids[:8], [1])
 

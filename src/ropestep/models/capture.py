@@ -1,0 +1,361 @@
+"""Capture: the activations of chosen decoder layers in batch-1 eager forward passes.
+
+Per layer, forward hooks record the head input ``x`` (the attention module's own input
+``hidden_states``, whatever norm or parallel branch produced it), the per-head attention output
+(the output projection's input) and the output projection's output; a guard proves every hook
+fired once per pass.  :func:`capture_continuations` and :func:`capture_block` add the protocol's
+candidate next tokens, run on the prefix's KV cache.
+"""
+from __future__ import annotations
+
+import copy
+import inspect
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Sequence
+
+import torch
+
+from .conventions import ModelInfo, check_layer_index, describe_model
+from .errors import UnsupportedModelError
+from .loading import disable_tf32
+from .structure import attention_module, decoder, layer_modules, output_projection
+
+
+@dataclass
+class LayerCapture:
+    """Activations of one decoder layer over ``n`` tokens (model dtype, CPU, detached).
+
+    The model's dtype is float32 for :func:`load_model`'s default; a model cast to float64
+    gives float64 captures (nothing is rounded on the way out).
+    """
+
+    layer: int
+    positions: torch.Tensor  # (n,) int64
+    x: torch.Tensor  # (n, m)  the attention module's input = head input
+    heads: torch.Tensor  # (n, H, r)  per-head attention output = output projection's input
+    o: torch.Tensor  # (n, hidden)  output projection's output
+    # (n, H): the model's own attention probability on each row's own key (the last key it
+    # sees), from the eager attention's returned weights; only where requested
+    self_mass: torch.Tensor | None = None
+
+
+@dataclass
+class ContinuationCapture:
+    """A prefix run (the bank) plus one single-token step per candidate next token."""
+
+    prefix_ids: torch.Tensor  # (n-1,)
+    candidates: torch.Tensor  # (Q,)
+    position: int  # n-1, the position of every candidate
+    logits: torch.Tensor  # (vocab,) model dtype, at the last prefix position
+    prefix: dict[int, LayerCapture]  # positions 0..n-2
+    queries: dict[int, LayerCapture]  # Q rows, all at `position`, row i = candidates[i]
+
+
+def _check_capture_model(model: Any) -> ModelInfo:
+    info = describe_model(model)
+    impl = getattr(model.config, "_attn_implementation", None)
+    if impl != "eager":
+        raise UnsupportedModelError(
+            f"{info.name}: capture needs attn_implementation='eager', the model uses {impl!r}")
+    if model.training:
+        raise RuntimeError(f"{info.name}: call model.eval() before capturing (dropout)")
+    return info
+
+
+@contextmanager
+def _hooks(model: Any, layers: Sequence[int], self_mass: bool = False) -> Iterator[dict]:
+    """Register recording hooks on each layer's attention module (its input ``hidden_states``)
+    and output projection (and, with ``self_mass``, on the attention's output: the eager
+    attention's own probabilities on the last key, which is each query's own key in a
+    single-token step); always remove them."""
+    mods = layer_modules(model)
+    who = getattr(model.config, "name_or_path", "") or type(model).__name__
+    keys = ("x", "heads", "o") + (("self_mass",) if self_mass else ())
+    rec: dict[int, dict[str, list]] = {L: {k: [] for k in keys} for L in layers}
+    handles = []
+
+    def on_attn(L: int) -> Callable:
+        def hook(mod: Any, args: Any, out: Any) -> None:
+            w = out[1] if isinstance(out, tuple) and len(out) > 1 else None
+            if w is None:
+                raise RuntimeError(f"layer {L}: the attention returned no weights (eager "
+                                   "attention is required to read the model's own self mass)")
+            rec[L]["self_mass"].append(w[..., -1].detach().transpose(1, 2))  # (B, q, H)
+        return hook
+
+    def on_input(L: int) -> Callable:
+        def hook(mod: Any, args: Any, kwargs: dict) -> None:
+            hs = kwargs.get("hidden_states", args[0] if args else None)
+            if not torch.is_tensor(hs):
+                raise RuntimeError(f"layer {L}: the attention was called without hidden_states")
+            rec[L]["x"].append(hs.detach())
+        return hook
+
+    def on_o(L: int) -> Callable:
+        def hook(mod: Any, args: Any, out: Any) -> None:
+            rec[L]["heads"].append(args[0].detach())
+            rec[L]["o"].append(out.detach())
+        return hook
+
+    try:
+        for L in layers:
+            attn = attention_module(mods[L], who, L)
+            handles.append(attn.register_forward_pre_hook(on_input(L), with_kwargs=True))
+            handles.append(output_projection(attn, who, L)[1].register_forward_hook(on_o(L)))
+            if self_mass:
+                handles.append(attn.register_forward_hook(on_attn(L)))
+        yield rec
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def _take(rec: dict, info: ModelInfo, calls: int,
+          positions: torch.Tensor) -> dict[int, LayerCapture]:
+    """Check that every hook fired once per forward pass, then stack the records per layer."""
+    out = {}
+    H, d = info.n_heads, info.head_dim
+    for L, r in rec.items():
+        got = {k: len(v) for k, v in r.items()}
+        if any(v != calls for v in got.values()):
+            raise RuntimeError(
+                f"{info.name}: layer {L} hooks fired {got} times for {calls} forward passes; "
+                f"the module path attention -> output projection was not taken")
+        x = torch.cat([t.reshape(-1, info.hidden) for t in r["x"]]).cpu()
+        hd = torch.cat([t.reshape(-1, H, d) for t in r["heads"]]).cpu()
+        o = torch.cat([t.reshape(-1, info.hidden) for t in r["o"]]).cpu()
+        sm = (torch.cat([t.reshape(-1, H) for t in r["self_mass"]]).cpu()
+              if "self_mass" in r else None)
+        if not (x.shape[0] == hd.shape[0] == o.shape[0] == positions.shape[0]) or (
+                sm is not None and sm.shape[0] != x.shape[0]):
+            raise RuntimeError(f"{info.name}: layer {L} captured {x.shape[0]} rows, expected "
+                               f"{positions.shape[0]}")
+        out[L] = LayerCapture(layer=L, positions=positions.clone(), x=x, heads=hd, o=o,
+                              self_mass=sm)
+    return out
+
+
+def _ids(input_ids: Any, device: Any) -> torch.Tensor:
+    ids = torch.as_tensor(input_ids)
+    if ids.ndim == 2:
+        if ids.shape[0] != 1:
+            raise ValueError(
+                f"capture runs batch-1 passes; got input_ids of shape {tuple(ids.shape)}")
+        ids = ids[0]
+    if ids.ndim != 1 or ids.numel() < 1:
+        raise ValueError(
+            f"input_ids must be a non-empty 1-D sequence, got shape {tuple(ids.shape)}")
+    return ids.to(device=device, dtype=torch.long)
+
+
+def _layers(info: ModelInfo, layers: int | Sequence[int]) -> list[int]:
+    ls = [layers] if isinstance(layers, int) else list(layers)
+    if not ls:
+        raise ValueError("no layers requested")
+    return sorted({check_layer_index(info, L) for L in ls})
+
+
+def _cache_kw(model: Any) -> str:
+    params = inspect.signature(model.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def _last_logits_kw(model: Any) -> dict:
+    """Ask for the last position's logits only (skips the lm_head on the other positions)."""
+    params = inspect.signature(model.forward).parameters
+    for name in ("logits_to_keep", "num_logits_to_keep"):
+        if name in params:
+            return {name: 1}
+    return {}
+
+
+def _out_cache(out: Any) -> Any:
+    c = getattr(out, "cache", None)
+    return c if c is not None else getattr(out, "past_key_values", None)
+
+
+class _StopForward(Exception):
+    """Raised by a hook to end a forward pass once the last requested layer has run."""
+
+
+def capture(model: Any, input_ids: Any, layers: int | Sequence[int], *,
+            position_ids: Any = None, stop_early: bool = True) -> dict[int, LayerCapture]:
+    """One batch-1 eager forward pass over ``input_ids`` recording the requested layers.
+
+    ``position_ids`` defaults to ``0..n-1``.  With ``stop_early`` the pass ends after the last
+    requested decoder layer (later layers cannot change what was recorded).  Raises if any hook
+    did not fire exactly once.
+    """
+    info = _check_capture_model(model)
+    Ls = _layers(info, layers)
+    dev = next(model.parameters()).device
+    ids = _ids(input_ids, dev)
+    pos = (torch.arange(ids.numel()) if position_ids is None
+           else torch.as_tensor(position_ids).reshape(-1).long())
+    if pos.shape != ids.shape:
+        raise ValueError(f"position_ids has shape {tuple(pos.shape)}, input_ids {tuple(ids.shape)}")
+    disable_tf32()
+
+    def stop(mod: Any, args: Any, out: Any) -> None:
+        raise _StopForward
+
+    with _hooks(model, Ls) as rec, torch.no_grad():
+        h = layer_modules(model)[Ls[-1]].register_forward_hook(stop) if stop_early else None
+        try:
+            model(input_ids=ids[None], position_ids=pos[None].to(dev), use_cache=False)
+        except _StopForward:
+            pass
+        finally:
+            if h is not None:
+                h.remove()
+    return _take(rec, info, 1, pos)
+
+
+def capture_continuations(model: Any, prefix_ids: Any,
+                          candidates: Sequence[int] | Callable[[torch.Tensor], Sequence[int]],
+                          layers: int | Sequence[int], *, batched: bool = True
+                          ) -> ContinuationCapture:
+    """Capture the layer inputs of Q candidate next tokens after a shared prefix.
+
+    The prefix (positions ``0..n-2``) runs once with the KV cache on; its captures are the bank
+    and its last-position logits are returned (``candidates`` may be a function of them, e.g.
+    ``lambda logits: top_candidates(logits, observed)``).  The candidates then run at position
+    ``n-1`` as ONE batched single-token step on the prefix cache repeated once per candidate
+    (``batched=False``: one step per candidate on its own deep copy of the cache), so every
+    candidate sees exactly the prefix and itself -- the same result as a full forward over
+    ``prefix + [candidate]`` up to float32 rounding (different matmul shapes).
+    """
+    info = _check_capture_model(model)
+    Ls = _layers(info, layers)
+    dev = next(model.parameters()).device
+    ids = _ids(prefix_ids, dev)
+    n1 = ids.numel()
+    ckw = _cache_kw(model)
+    disable_tf32()
+    with torch.no_grad():
+        with _hooks(model, Ls) as rec:
+            out = model(input_ids=ids[None], position_ids=torch.arange(n1, device=dev)[None],
+                        use_cache=True, **_last_logits_kw(model))
+        prefix = _take(rec, info, 1, torch.arange(n1))
+        logits = out.logits[0, -1].detach().cpu()
+        cache = _out_cache(out)
+        if cache is None:
+            raise RuntimeError(f"{info.name}: the prefix pass returned no KV cache")
+        cands = candidates(logits) if callable(candidates) else candidates
+        cand = torch.as_tensor(list(cands), dtype=torch.long).reshape(-1)
+        if cand.numel() < 1:
+            raise ValueError("no candidate tokens")
+        vocab = logits.shape[0]
+        if int(cand.min()) < 0 or int(cand.max()) >= vocab:
+            raise ValueError(f"candidate token ids must lie in [0, {vocab})")
+        Q = int(cand.numel())
+        with _hooks(model, Ls, self_mass=True) as rec:
+            if batched and hasattr(cache, "batch_repeat_interleave"):
+                # one forward: the prefix cache repeated Q times, one candidate token per row
+                step_cache = copy.deepcopy(cache)
+                step_cache.batch_repeat_interleave(Q)
+                model(input_ids=cand.to(dev)[:, None], position_ids=torch.full(
+                      (Q, 1), n1, device=dev), use_cache=True, **{ckw: step_cache},
+                      **_last_logits_kw(model))
+                calls = 1
+            else:  # one single-token step per candidate on its own copy of the cache
+                for t in cand.tolist():
+                    step_cache = copy.deepcopy(cache)
+                    model(input_ids=torch.tensor([[t]], device=dev),
+                          position_ids=torch.tensor([[n1]], device=dev), use_cache=True,
+                          **{ckw: step_cache}, **_last_logits_kw(model))
+                calls = Q
+            del step_cache
+        queries = _take(rec, info, calls, torch.full((Q,), n1))
+    return ContinuationCapture(prefix_ids=ids.cpu(), candidates=cand, position=n1, logits=logits,
+                               prefix=prefix, queries=queries)
+
+
+@dataclass
+class BlockCapture:
+    """One forward over a whole block plus its candidate next tokens (see :func:`capture_block`)."""
+
+    full: dict[int, LayerCapture]  # positions 0..n-1 of the block (bank + observed token)
+    logits: torch.Tensor  # (vocab,) at position n-2: the prefix's prediction of token n-1
+    candidates: torch.Tensor  # (Q,)
+    queries: dict[int, LayerCapture]  # Q rows at position n-1, row i = candidates[i], with
+    # the model's own self-attention mass (``LayerCapture.self_mass``)
+
+
+def capture_block(model: Any, block_ids: Any, layers: int | Sequence[int],
+                  candidates: Sequence[int] | Callable[[torch.Tensor], Sequence[int]], *,
+                  batched: bool = True) -> BlockCapture:
+    """The protocol's capture: ONE forward over the block, then the candidates in one step.
+
+    The forward (batch 1, eager, KV cache on) records every requested layer at every position
+    (the bank ``0..n-2`` and the observed token at ``n-1``) and the logits at ``n-2`` (causal
+    attention makes them the prefix's own).  The cache is then cut back to the prefix and the
+    candidates (a list, or a function of those logits) run at position ``n-1`` as one batched
+    single-token step on the prefix cache repeated once per candidate (``batched=False``: one
+    step each, the cache cut back after every step), so each sees exactly the prefix and
+    itself.  Equivalent to :func:`capture` plus :func:`capture_continuations` up to float32
+    rounding, with one forward over the block instead of two.
+    """
+    info = _check_capture_model(model)
+    Ls = _layers(info, layers)
+    dev = next(model.parameters()).device
+    ids = _ids(block_ids, dev)
+    n = ids.numel()
+    if n < 2:
+        raise ValueError("a block needs at least 2 tokens (a prefix and the observed token)")
+    base = decoder(model)
+    ckw = "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
+    fkw = {}
+    if "logits_to_keep" in inspect.signature(model.forward).parameters:
+        fkw["logits_to_keep"] = 2  # positions n-2 and n-1 only
+    disable_tf32()
+    with torch.no_grad():
+        with _hooks(model, Ls) as rec:
+            out = model(input_ids=ids[None], position_ids=torch.arange(n, device=dev)[None],
+                        use_cache=True, **fkw)
+        full = _take(rec, info, 1, torch.arange(n))
+        logits = out.logits[0, -2].detach().cpu()
+        cache = _out_cache(out)
+        if cache is None:
+            raise RuntimeError(f"{info.name}: the forward pass returned no KV cache")
+        cache.crop(-1)  # drop the observed token: the prefix's cache, positions 0..n-2
+        if cache.get_seq_length() != n - 1:
+            raise RuntimeError(f"{info.name}: cache holds {cache.get_seq_length()} positions "
+                               f"after cropping, expected {n - 1}")
+        cands = candidates(logits) if callable(candidates) else candidates
+        cand = torch.as_tensor(list(cands), dtype=torch.long).reshape(-1)
+        Q = int(cand.numel())
+        if Q < 1:
+            raise ValueError("no candidate tokens")
+        if int(cand.min()) < 0 or int(cand.max()) >= logits.shape[0]:
+            raise ValueError(f"candidate token ids must lie in [0, {logits.shape[0]})")
+        with _hooks(model, Ls, self_mass=True) as rec:
+            if batched and hasattr(cache, "batch_repeat_interleave"):
+                cache.batch_repeat_interleave(Q)
+                base(input_ids=cand.to(dev)[:, None],
+                     position_ids=torch.full((Q, 1), n - 1, device=dev), use_cache=True,
+                     **{ckw: cache})
+                calls = 1
+            else:
+                for t in cand.tolist():
+                    base(input_ids=torch.tensor([[t]], device=dev),
+                         position_ids=torch.tensor([[n - 1]], device=dev), use_cache=True,
+                         **{ckw: cache})
+                    cache.crop(-1)
+                calls = Q
+        queries = _take(rec, info, calls, torch.full((Q,), n - 1))
+    return BlockCapture(full=full, logits=logits, candidates=cand, queries=queries)
+
+
+def top_candidates(logits: torch.Tensor, observed: int, k: int = 31,
+                   exclude: Sequence[int] = ()) -> list[int]:
+    """``[observed]`` followed by the ``k`` highest-logit distinct tokens, skipping ``observed``
+    and the ids in ``exclude`` (special tokens).  Ties keep the lower token id first."""
+    lg = torch.as_tensor(logits).reshape(-1)
+    banned = {int(observed), *(int(e) for e in exclude)}
+    order = torch.argsort(-lg.double(), stable=True).tolist()
+    picked = [t for t in order if t not in banned][:k]
+    if len(picked) < k:
+        raise ValueError(f"only {len(picked)} eligible tokens for k={k}")
+    return [int(observed)] + picked

