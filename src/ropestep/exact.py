@@ -136,6 +136,9 @@ def _pairs(d: int, layout: str) -> list[tuple[int, int]]:
 
 
 def frequencies(base: Any, d: int) -> list:
+    """``omega_l = base^(-2l/d)``, or, for a tuple of ``d/2`` values, those frequencies."""
+    if isinstance(base, (tuple, list)):
+        return [mp.mpf(float(w)) for w in base]
     return [mp.power(mp.mpf(base), -mp.mpf(2 * l) / d) for l in range(d // 2)]
 
 
@@ -281,6 +284,8 @@ def _build(spec: HeadSpec, weights: HeadWeights, x_q: Any, pos_q: Any, x_kv: Any
         Wq, Wk, Wv = aug(weights.w_q, weights.b_q, H, d), aug(weights.w_k, weights.b_k, Hk, d), \
             aug(weights.w_v, weights.b_v, Hk, r)
         bases = spec.rope.bases(H)
+        if spec.rope.freqs is not None:  # the spec's own pair frequencies replace the base
+            bases = [tuple(spec.rope.freqs)] * H
         tab = spec.rope.cos is not None
         cos_t = None if not tab else np.asarray(_np(spec.rope.cos), dtype=np.float64)
         sin_t = None if not tab else np.asarray(_np(spec.rope.sin), dtype=np.float64)

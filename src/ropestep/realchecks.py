@@ -28,9 +28,7 @@ Imports :mod:`ropestep.models` and the layers below it, never the experiments ab
 """
 from __future__ import annotations
 
-import copy
 import math
-import sys
 from dataclasses import dataclass, replace
 from typing import Any, Sequence
 
@@ -144,8 +142,8 @@ def _rows(rows: Any, n_heads: int, n_queries: int) -> list[tuple[int, int]]:
     return list(dict.fromkeys(out))
 
 
-def _model_parts(model: Any, layer: Any) -> tuple[models.ModelInfo, Any, Any]:
-    """``(info, attention module, modeling module)`` after the adapter's convention checks."""
+def _model_parts(model: Any, layer: Any) -> tuple[models.ModelInfo, Any, dict]:
+    """``(info, the layer's conventions, its projections)`` after the adapter's reading."""
     try:
         info = models.describe_model(model)
     except AttributeError:
@@ -153,14 +151,13 @@ def _model_parts(model: Any, layer: Any) -> tuple[models.ModelInfo, Any, Any]:
             from None
     if info.family != "dot":
         raise ValueError(f"{info.name}: score family {info.family!r} is not affine in u; "
-                         "realchecks cover the 'dot' family (Llama, Qwen2)")
+                         "realchecks cover the 'dot' family")
     if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)):
         raise ValueError(f"layer must be an int, got {type(layer).__name__}")
     if not 0 <= int(layer) < info.n_layers:
         raise ValueError(f"{info.name}: layer {layer} out of range 0..{info.n_layers - 1}")
-    base = getattr(model, "model", model)
-    attn = base.layers[int(layer)].self_attn
-    return info, attn, sys.modules[type(attn).__module__]
+    _, conv, _, parts, _ = models.attention.layer_parts(model, int(layer), info)
+    return info, conv, parts
 
 
 def _head(model: Any, layer: int, n_positions: int, head: Any) -> tuple[HeadSpec, HeadWeights]:
@@ -214,7 +211,7 @@ def conventions(model: Any, layer: int, x: Any, positions: Any, *,
     ``gamma_2 + gamma_2 <= gamma_4``, in any order of evaluation).  A wrong pairing moves a rotated vector by O(1) at every position but
     0, a wrong GQA map by O(1) on the heads it misroutes.
     """
-    info, attn, mod = _model_parts(model, layer)
+    info, conv, parts = _model_parts(model, layer)
     xt = _x(x, info.hidden)
     n = xt.shape[0]
     pos = _pos(positions, n)
@@ -226,42 +223,36 @@ def conventions(model: Any, layer: int, x: Any, positions: Any, *,
     dev, mdt = _device_dtype(model)
     xm = xt.to(dev, mdt)  # what the model reads; ropestep reads the same rounded values
     x64 = xm.to("cpu", F64)
-    group = int(attn.num_key_value_groups)
+    group = info.group
+    perm = models.attention.head_order(conv, d)  # model head-dim order -> ropestep's
+    a = conv.amplitude  # the model's tables are a (cos, sin); ropestep's are unit
 
-    # -- model side --
-    with torch.no_grad():
-        def heads_of(lin: Any, nh: int) -> torch.Tensor:  # (1, nh, n, d) as the attention does
-            return lin(xm[None]).view(1, n, nh, d).transpose(1, 2)
+    # -- model side: the layer's own attention module on x (models.attention.run_attention) --
+    rec = models.attention.run_attention(model, int(layer), xm, pos, info)
+    q_mod = rec.query[0].to("cpu", F64)[..., perm]  # (H, n, d)
+    # query head h reads KV head h // group: the map the layer's eager attention was checked to
+    # use on its own output (models.conventions.read_layer)
+    k_mod = rec.key[0].to("cpu", F64).repeat_interleave(group, 0)[..., perm]
+    v_mod = rec.value[0].to("cpu", F64).repeat_interleave(group, 0)
 
-        qm, km, vm = heads_of(attn.q_proj, H), heads_of(attn.k_proj, Hk), heads_of(attn.v_proj, Hk)
-        cos, sin = getattr(model, "model", model).rotary_emb(xm[None], pos.to(dev)[None])
-        qm, km = mod.apply_rotary_pos_emb(qm, km, cos, sin)
-        km, vm = mod.repeat_kv(km, group), mod.repeat_kv(vm, group)
-        q_mod, k_mod, v_mod = (t[0].to("cpu", F64) for t in (qm, km, vm))  # (H, n, d)
+    # elementwise bounds A = |x| |W|^T + |b| (float64), summed over the model's rotation pair
+    def abs_terms(part: tuple, nh: int, rotated: bool) -> torch.Tensor:
+        w = part[0].detach().to("cpu", F64).abs()
+        A = x64.abs() @ w.T
+        if part[1] is not None:
+            A = A + part[1].detach().to("cpu", F64).abs()
+        A = A.view(n, nh, -1).transpose(0, 1)
+        if rotated:
+            A = models.attention.pair_sum(A, conv)[..., perm] * max(a, 1.0)
+        return A
 
-        # elementwise bounds A = |x| |W|^T + |b| (float64), summed over the model's rotation pair
-        def abs_terms(lin: Any, nh: int) -> torch.Tensor:
-            w = lin.weight.detach().to("cpu", F64).abs()
-            a = x64.abs() @ w.T
-            if lin.bias is not None:
-                a = a + lin.bias.detach().to("cpu", F64).abs()
-            return a.view(1, n, nh, d).transpose(1, 2)
-
-        Aq, Ak = abs_terms(attn.q_proj, H), abs_terms(attn.k_proj, Hk)
-        Av = abs_terms(attn.v_proj, Hk)
-        # the partner of every coordinate in the model's own pairing: |rotate_half(A)|
-        Aq, Ak = Aq + mod.rotate_half(Aq).abs(), Ak + mod.rotate_half(Ak).abs()
-        Ak, Av = mod.repeat_kv(Ak, group)[0], mod.repeat_kv(Av, group)[0]
-        Aq = Aq[0]
-
-    def terms(lin: Any) -> int:  # dot-product length, a fused bias included
-        return info.hidden + (lin.bias is not None)
-
-    kterms = terms(attn.q_proj)
-    bound = {name: (tl.rotated_projection_abs(mdt, a, terms(lin))
-                    + tl.rotated_projection_abs(F64, a, terms(lin)))
-             for name, a, lin in (("q", Aq, attn.q_proj), ("k", Ak, attn.k_proj),
-                                  ("v", Av, attn.v_proj))}
+    Aq = abs_terms(parts["q"], H, True)
+    Ak = abs_terms(parts["k"], Hk, True).repeat_interleave(group, 0)
+    Av = abs_terms(parts["v"], Hk, False).repeat_interleave(group, 0)
+    kterms = info.hidden + (parts["q"][1] is not None)
+    bound = {name: (tl.rotated_projection_abs(mdt, A_, kterms)
+                    + tl.rotated_projection_abs(F64, A_, kterms))
+             for name, A_ in (("q", Aq), ("k", Ak), ("v", Av))}
     # values are not rotated: their A is not paired, and the bound's rotation roundings
     # (3 of its 4 u_store) are then margin
 
@@ -276,19 +267,20 @@ def conventions(model: Any, layer: int, x: Any, positions: Any, *,
     k0 = torch.einsum("nm,mhd->hnd", x64, wk) + bias(weights.b_k, Hk, d)[:, None]
     v0 = torch.einsum("nm,mhd->hnd", x64, wv) + bias(weights.b_v, Hk, r)[:, None]
     cs, sn = rope.rope_cos_sin(spec, pos, F64)  # (H or 1, n, d/2)
-    qs = rope.apply_rope(q0, cs, sn, spec.rope.layout)
+    qs = rope.apply_rope(q0, cs, sn, spec.rope.layout) * a
     kv_map = [spec.kv_head(h) for h in range(H)]
     for h, g in enumerate(kv_map):
         if not 0 <= g < Hk:
             raise ValueError(f"spec.kv_head({h}) = {g} is not a KV head (0..{Hk - 1})")
     hb = [min(h, cs.shape[0] - 1) for h in range(H)]  # the table row of head h's base
-    ks = torch.stack([rope.apply_rope(k0[g], cs[hb[h]], sn[hb[h]], spec.rope.layout)
+    ks = torch.stack([rope.apply_rope(k0[g], cs[hb[h]], sn[hb[h]], spec.rope.layout) * a
                       for h, g in enumerate(kv_map)])
     vs = torch.stack([v0[g] for g in kv_map])
 
     # -- ropestep side, route "fast.project" --
     P = fast.project(spec, weights, x64, pos, x64, pos, dtype=F64)
-    qf = P.q / P.scale[:, None, None]
+    qf = P.q / P.scale[:, None, None] * a
+    Pk = P.k * a
 
     def rel(a: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:  # per head, normwise
         den = ref.abs().flatten(1).max(1).values.clamp_min(tl.SCALE_GUARD)
@@ -298,7 +290,7 @@ def conventions(model: Any, layer: int, x: Any, positions: Any, *,
         den = ref.abs().flatten(1).max(1).values.clamp_min(tl.SCALE_GUARD)
         return b.flatten(1).max(1).values / den
 
-    routes = {"spec": (qs, ks, vs), "fast.project": (qf, P.k, P.v)}
+    routes = {"spec": (qs, ks, vs), "fast.project": (qf, Pk, P.v)}
     refs = {"q": q_mod, "k": k_mod, "v": v_mod}
     tols = {nm: tol(bound[nm], refs[nm]) for nm in refs}
     rels = {rt: {nm: rel(t, refs[nm]) for nm, t in zip(("q", "k", "v"), ts)}
@@ -318,9 +310,14 @@ def conventions(model: Any, layer: int, x: Any, positions: Any, *,
                       "ok": all(within(rels[rt][nm][h], float(tols[nm][h]))
                                 for nm in refs for h in range(H))} for rt in routes}
     sc_spec = [float(spec.score_scale(h)) for h in range(H)]
-    sc_rel = worst([abs(s - float(attn.scaling)) / float(attn.scaling) for s in sc_spec])
-    sc_tol = tl.nonnegative_ops_rel(4)  # two roundings a side (docstring)
-    scale = {"model": float(attn.scaling), "spec": sc_spec, "rel": sc_rel,
+    # the model's score multiplier: the scaling its eager attention received, times the square
+    # of its tables' amplitude (cos at position 0 of this very call)
+    a_run = float(rec.cos.reshape(-1, rec.cos.shape[-1])[0, 0]) if conv.rotary else 1.0
+    sc_run = rec.kwargs.get("scaling")
+    sc_model = float(d ** -0.5 if sc_run is None else sc_run) * a_run * a_run
+    sc_rel = worst([abs(s - sc_model) / sc_model for s in sc_spec])
+    sc_tol = tl.nonnegative_ops_rel(8)  # two roundings a side, and a^2 (docstring)
+    scale = {"model": sc_model, "spec": sc_spec, "rel": sc_rel,
              "tolerance": sc_tol, "ok": within(sc_rel, sc_tol)}
     ok = all(r_["ok"] for r_ in heads) and scale["ok"]
     return {
@@ -759,59 +756,68 @@ def _hull_witness(M: torch.Tensor, v: torch.Tensor, mu: torch.Tensor, xq: torch.
 class _Attention64:
     """The layer's attention as the model computes it, in float64, at any (fractional) positions.
 
-    The model's own ``q_proj``/``k_proj``/``v_proj`` (float64 copies), the modeling module's
-    ``apply_rotary_pos_emb`` and ``repeat_kv``, its ``scaling`` and causal order (by sequence
-    index, as Hugging Face masks); the softmax runs in float64 (the eager kernel's float32
-    softmax would cap the accuracy at ``2^-24``).  Causal order by sequence index is what a
-    whole-model forward with moved position ids does *given an attention mask*: without one (and
-    without a cache) transformers reads non-consecutive ids as packed sequences
-    (``masking_utils.find_packed_sequence_indices``) and the moved token attends to itself
-    alone (tests/models/test_realchecks.py shows both).  RoPE angles ``p * inv_freq`` with the
-    model's definition ``inv_freq_l = 1 / theta^(2l/d)`` evaluated in float64 -- its own float32
-    tables cannot resolve a derivative (their rounding, ~``p u32``, moves a score by ~1e-5); they
-    are used for the anchor (:meth:`heads_with_model_tables`).
+    The layer's own projections (float64 copies of its weights, in the layout the adapter read
+    and checked), its rotation (its pairing and rotary width, its tables' amplitude), query
+    head ``h`` reading KV head ``h // group``, its score multiplier and causal order (by
+    sequence index, as Hugging Face masks); the softmax runs in float64 (the eager kernel's
+    float32 softmax would cap the accuracy at ``2^-24``).  Causal order by sequence index is what
+    a whole-model forward with moved position ids does *given an attention mask*: without one
+    (and without a cache) transformers reads non-consecutive ids as packed sequences
+    (``masking_utils.find_packed_sequence_indices``) and the moved token attends to itself alone
+    (tests/models/test_realchecks.py shows both).  RoPE angles ``p * inv_freq`` with the rotary
+    module's own ``inv_freq`` evaluated in float64 -- its float32 tables cannot resolve a
+    derivative (their rounding, ~``p u32``, moves a score by ~1e-5); they are used for the
+    anchor (:meth:`heads_with_model_tables`).
     """
 
-    def __init__(self, model: Any, info: models.ModelInfo, attn: Any, mod: Any, x: torch.Tensor):
-        self.model, self.info, self.mod = model, info, mod
+    def __init__(self, model: Any, info: models.ModelInfo, conv: Any, parts: dict,
+                 x: torch.Tensor):
+        self.model, self.info, self.conv = model, info, conv
         self.H, self.Hk, self.d = info.n_heads, info.n_kv_heads, info.head_dim
-        self.group = int(attn.num_key_value_groups)
-        self.scaling = float(attn.scaling)
+        self.group = info.group
+        self.scaling = conv.scaling
         n = x.shape[0]
-        with torch.no_grad():
-            def proj(lin: Any, nh: int) -> torch.Tensor:
-                l64 = copy.deepcopy(lin).to(device="cpu", dtype=F64)
-                return l64(x[None]).view(1, n, nh, self.d).transpose(1, 2)
 
-            self.q, self.k = proj(attn.q_proj, self.H), proj(attn.k_proj, self.Hk)
-            self.v = mod.repeat_kv(proj(attn.v_proj, self.Hk), self.group)
+        def proj(part: tuple, nh: int) -> torch.Tensor:  # (nh, n, d), float64
+            z = x @ part[0].detach().to("cpu", F64).T
+            if part[1] is not None:
+                z = z + part[1].detach().to("cpu", F64)
+            return z.view(n, nh, -1).transpose(0, 1)
+
+        with torch.no_grad():
+            self.q, self.k = proj(parts["q"], self.H), proj(parts["k"], self.Hk)
+            self.v = proj(parts["v"], self.Hk).repeat_interleave(self.group, 0)
         self.n = n
-        self.inv_freq = 1.0 / (torch.tensor(float(info.rope_theta), dtype=F64)
-                               ** (torch.arange(0, self.d, 2, dtype=F64) / self.d))
+        if conv.rotary_dim and not conv.inv_freq:
+            raise ValueError(f"{info.name}: layer {conv.layer}'s rotary module has no inv_freq "
+                             "buffer to evaluate exact angles with")
+        self.inv_freq = torch.tensor(conv.inv_freq, dtype=F64)
 
     def _heads(self, cos: torch.Tensor, sin: torch.Tensor, rows: Sequence[int]) -> torch.Tensor:
+        """``cos``/``sin``: per-pair tables ``(n, R/2)`` (amplitude included)."""
         with torch.no_grad():
-            q, k = self.mod.apply_rotary_pos_emb(self.q, self.k, cos[None], sin[None])
-            k = self.mod.repeat_kv(k, self.group)
+            rot = models.attention.rotate_as_model
+            q, k = rot(self.q, cos, sin, self.conv), rot(self.k, cos, sin, self.conv)
+            k = k.repeat_interleave(self.group, 0)
             out = []
             for i in rows:
-                s = (q[0, :, i:i + 1] @ k[0, :, : i + 1].transpose(-1, -2)) * self.scaling
+                s = (q[:, i:i + 1] @ k[:, : i + 1].transpose(-1, -2)) * self.scaling
                 w = torch.softmax(s, -1)  # (H, 1, i+1), float64
-                out.append((w @ self.v[0, :, : i + 1])[:, 0])  # (H, r)
+                out.append((w @ self.v[:, : i + 1])[:, 0])  # (H, r)
             return torch.stack(out)  # (rows, H, r)
 
     def heads_at(self, positions: torch.Tensor, rows: Sequence[int]) -> torch.Tensor:
         """Per-head outputs of ``rows`` with every token at ``positions`` (float64)."""
-        freqs = positions.to(F64)[:, None] * self.inv_freq[None]
-        emb = torch.cat((freqs, freqs), -1)
-        return self._heads(emb.cos(), emb.sin(), rows)
+        ang = positions.to(F64)[:, None] * self.inv_freq[None]
+        a = self.conv.amplitude
+        return self._heads(a * ang.cos(), a * ang.sin(), rows)
 
     def heads_with_model_tables(self, positions: torch.Tensor) -> torch.Tensor:
-        dev, dt = _device_dtype(self.model)
-        with torch.no_grad():
-            cos, sin = getattr(self.model, "model", self.model).rotary_emb(
-                torch.zeros(1, 1, self.d, dtype=dt, device=dev), positions.to(dev)[None])
-        return self._heads(cos[0].to("cpu", F64), sin[0].to("cpu", F64), range(self.n))
+        if not self.conv.rotary:
+            empty = torch.zeros(self.n, 0, dtype=F64)
+            return self._heads(empty, empty, range(self.n))
+        c, s = models.attention.per_pair_tables(self.model, self.conv, positions)
+        return self._heads(c.to("cpu", F64), s.to("cpu", F64), range(self.n))
 
 
 def _anchor(att: _Attention64, pos: torch.Tensor, heads: Any, mdt: torch.dtype) -> dict | None:
@@ -844,7 +850,7 @@ def _anchor(att: _Attention64, pos: torch.Tensor, heads: Any, mdt: torch.dtype) 
 
 
 def _setup_positional(model: Any, layer: int, x: Any, positions: Any, queries: Any, head: Any):
-    info, attn, mod = _model_parts(model, layer)
+    info, conv, parts = _model_parts(model, layer)
     xt = _x(x, info.hidden)
     n = xt.shape[0]
     pos = _pos(positions, n, increasing=True)
@@ -864,8 +870,9 @@ def _setup_positional(model: Any, layer: int, x: Any, positions: Any, queries: A
     dev, mdt = _device_dtype(model)
     x64 = xt.to(dev, mdt).to("cpu", F64)  # the values the model reads
     # ropestep's side with exact angles (no tables): the same spec otherwise
-    spec_an = replace(spec, rope=RoPESpec(base=spec.rope.base, layout=spec.rope.layout))
-    return info, attn, mod, x64, pos, qs, spec_an, weights, mdt
+    spec_an = replace(spec, rope=RoPESpec(base=spec.rope.base, layout=spec.rope.layout,
+                                          freqs=spec.rope.freqs))
+    return info, conv, parts, x64, pos, qs, spec_an, weights, mdt
 
 
 def _row_terms(spec: HeadSpec, P: fast.Projected, qn: int, i: int, h: int):
@@ -875,7 +882,7 @@ def _row_terms(spec: HeadSpec, P: fast.Projected, qn: int, i: int, h: int):
     K, V = P.k[h, : i + 1], P.v[h, : i + 1]
     A = rope.rope_generator(spec, h)
     d = spec.head_dim
-    om = rope.rope_frequencies(spec.rope.bases(spec.n_heads)[h], d)
+    om = rope.spec_frequencies(spec, h)
     li = rope.frequency_index(d, spec.rope.layout)
     qp = torch.zeros(d // 2, dtype=F64).index_add_(0, li, q * q).sqrt()
     kp = torch.zeros(i + 1, d // 2, dtype=F64).index_add_(1, li, K * K).sqrt()
@@ -937,9 +944,9 @@ def position_derivative(model: Any, layer: int, x: Any, positions: Any, queries:
     of two keeps ``p_i +- h`` exact.  ``heads`` (the captured per-head outputs over ``x``) adds
     the anchor: this float64 composition, with the model's own float32 tables, reproduces them.
     """
-    info, attn, mod, x64, pos, qs, spec_an, weights, mdt = _setup_positional(
+    info, conv, parts, x64, pos, qs, spec_an, weights, mdt = _setup_positional(
         model, layer, x, positions, queries, head)
-    att = _Attention64(model, info, attn, mod, x64)
+    att = _Attention64(model, info, conv, parts, x64)
     P = fast.project(spec_an, weights, x64[qs], pos[qs], x64, pos, dtype=F64)
     m, d = info.hidden, info.head_dim
     rows = []
@@ -1008,7 +1015,7 @@ def position_shift(model: Any, layer: int, x: Any, positions: Any, queries: Sequ
     difference of differences within twice that (``S = max|v|``, ``B1 = R D1`` as in
     :func:`position_derivative`).  ``rel`` relates the error to the size of the difference.
     """
-    info, attn, mod, x64, pos, qs, spec_an, weights, mdt = _setup_positional(
+    info, conv, parts, x64, pos, qs, spec_an, weights, mdt = _setup_positional(
         model, layer, x, positions, queries, head)
     try:
         ds_ = [int(t) for t in deltas]
@@ -1016,7 +1023,7 @@ def position_shift(model: Any, layer: int, x: Any, positions: Any, queries: Sequ
         raise ValueError("deltas must be a sequence of integers") from None
     if not ds_ or any(t != float(dt) for t, dt in zip(ds_, deltas)):
         raise ValueError(f"deltas must be non-empty integers, got {list(deltas)}")
-    att = _Attention64(model, info, attn, mod, x64)
+    att = _Attention64(model, info, conv, parts, x64)
     P = fast.project(spec_an, weights, x64[qs], pos[qs], x64, pos, dtype=F64)
     m, d = info.hidden, info.head_dim
     y0 = att.heads_at(pos.to(F64), qs)  # (Qs, H, r)

@@ -26,6 +26,13 @@ def rope_frequencies(base: float, head_dim: int) -> torch.Tensor:
     return torch.as_tensor(float(base), dtype=torch.float64) ** (-2.0 * ell / head_dim)
 
 
+def spec_frequencies(spec: HeadSpec, head: int = 0) -> torch.Tensor:
+    """Head ``head``'s pair frequencies: ``spec.rope.freqs`` when given, else its base's."""
+    if spec.rope.freqs is not None:
+        return torch.tensor([float(f) for f in spec.rope.freqs], dtype=torch.float64)
+    return rope_frequencies(spec.rope.bases(spec.n_heads)[head], spec.head_dim)
+
+
 def rope_cos_sin(spec: HeadSpec, positions: Any, dtype: torch.dtype = torch.float64,
                  device: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin of the RoPE angles, shape ``(H or 1, P, d/2)``.
@@ -46,6 +53,8 @@ def rope_cos_sin(spec: HeadSpec, positions: Any, dtype: torch.dtype = torch.floa
     if len(uniq) == 1:
         bases = bases[:1]
     omega = torch.stack([rope_frequencies(b, d) for b in bases]).to(device)  # (Hb, d/2)
+    if spec.rope.freqs is not None:
+        omega = spec_frequencies(spec)[None].to(device)
     ang = pos.to(torch.float64)[None, :, None] * omega[:, None, :]
     return torch.cos(ang).to(dtype), torch.sin(ang).to(dtype)
 
@@ -68,7 +77,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout: st
 def rope_generator(spec: HeadSpec, head: int = 0, dtype: torch.dtype = torch.float64) -> torch.Tensor:
     """The generator ``A`` (d x d, column convention ``R(p) = exp(p A)``) of head ``head``."""
     d = spec.head_dim
-    omega = rope_frequencies(spec.rope.bases(spec.n_heads)[head], d)
+    omega = spec_frequencies(spec, head)
     A = torch.zeros(d, d, dtype=torch.float64)
     for ell in range(d // 2):
         i, j = pair_indices(ell, d, spec.rope.layout)
@@ -80,7 +89,7 @@ def rope_rotation(spec: HeadSpec, p: float, head: int = 0,
                   dtype: torch.dtype = torch.float64) -> torch.Tensor:
     """``R(p) = exp(p A)`` as a d x d matrix (column convention; rows rotate as ``x R^T``)."""
     d = spec.head_dim
-    omega = rope_frequencies(spec.rope.bases(spec.n_heads)[head], d)
+    omega = spec_frequencies(spec, head)
     R = torch.zeros(d, d, dtype=torch.float64)
     for ell in range(d // 2):
         i, j = pair_indices(ell, d, spec.rope.layout)
@@ -96,7 +105,7 @@ def rope_phi1(spec: HeadSpec, delta: float, head: int = 0,
     Then ``R(p + delta) - R(p) = delta A phi_1(delta A) R(p)`` exactly (docs/math.md section 5).
     """
     d = spec.head_dim
-    omega = rope_frequencies(spec.rope.bases(spec.n_heads)[head], d)
+    omega = spec_frequencies(spec, head)
     F = torch.zeros(d, d, dtype=torch.float64)
     for ell in range(d // 2):
         i, j = pair_indices(ell, d, spec.rope.layout)

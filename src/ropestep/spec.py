@@ -59,6 +59,9 @@ class RoPESpec:
     layout: Layout = "half"
     cos: Any = None
     sin: Any = None
+    # the angular frequency of each pair (d/2 of them), replacing base^(-2l/d): a model's own
+    # (scaled RoPE: llama3, YaRN, ...; 0 on the pass-through pairs of a partial rotary)
+    freqs: tuple[float, ...] | None = None
 
     def bases(self, n_heads: int) -> tuple[float, ...]:
         if isinstance(self.base, (int, float, np.floating, np.integer)):
@@ -143,6 +146,12 @@ def validate_spec(spec: HeadSpec) -> None:
     for b in spec.rope.bases(spec.n_heads):
         if not (math.isfinite(b) and b > 0):
             raise ValueError(f"RoPE base must be finite and > 0, got {b}")
+    if spec.rope.freqs is not None:
+        fr = spec.rope.freqs
+        if spec.rope.per_head or len(fr) != spec.head_dim // 2 or not all(
+                math.isfinite(float(f)) and float(f) >= 0 for f in fr):
+            raise ValueError(f"RoPE freqs must be head_dim/2={spec.head_dim // 2} finite values "
+                             ">= 0 for one shared base")
     if spec.rope.per_head and spec.rope.cos is not None:
         raise ValueError("RoPE: per-head bases cannot be combined with precomputed cos/sin tables")
     if (spec.rope.cos is None) != (spec.rope.sin is None):

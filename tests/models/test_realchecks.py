@@ -216,6 +216,121 @@ def test_no_global_readout(tiny):
                              torch.arange(N_CTX - 1))
 
 
+def _model_attention64(model, layer: int, x_q, pos_q: int, x_kv, pos_kv):
+    """Per-head outputs ``(H, Q, r)`` of queries ``x_q`` at position ``pos_q`` reading the bank
+    ``x_kv`` at ``pos_kv`` (every key), from the model's own modules in float64: float64 copies
+    of ``q_proj``/``k_proj``/``v_proj``, the model's ``rotary_emb`` tables, its modeling module's
+    ``apply_rotary_pos_emb`` and ``repeat_kv``, its ``scaling`` and a float64 softmax (nothing
+    from ropestep's fast layer or from realchecks)."""
+    import copy
+    import sys
+
+    attn = model.model.layers[layer].self_attn
+    mod = sys.modules[type(attn).__module__]
+    cfg = model.config
+    H, Hk = cfg.num_attention_heads, cfg.num_key_value_heads
+    d = attn.head_dim
+    f64 = torch.float64
+    with torch.no_grad():
+        def proj(name, x, nh):
+            lin = copy.deepcopy(getattr(attn, name)).to(f64)
+            return lin(x.to(f64)[None]).view(1, x.shape[0], nh, d).transpose(1, 2)
+
+        q, k, v = proj("q_proj", x_q, H), proj("k_proj", x_kv, Hk), proj("v_proj", x_kv, Hk)
+        Q = x_q.shape[0]
+        cq, sq = model.model.rotary_emb(q, torch.full((1, Q), int(pos_q)))
+        ck, sk = model.model.rotary_emb(k, torch.as_tensor(pos_kv)[None])
+        q, _ = mod.apply_rotary_pos_emb(q, q, cq, sq)
+        _, k = mod.apply_rotary_pos_emb(k, k, ck, sk)
+        k, v = mod.repeat_kv(k, H // Hk), mod.repeat_kv(v, H // Hk)
+        w = torch.softmax((q @ k.transpose(-1, -2)) * float(attn.scaling), -1)
+        return (w @ v)[0], v[0]  # (H, Q, r), (H, N, r)
+
+
+def test_no_global_readout_bound_recomputed_from_the_models_attention(tiny):
+    """The certified lower bound's two numbers per head, recomputed here from the model's own
+    attention in float64 (:func:`_model_attention64`) at the queries and at every pairwise
+    midpoint ``u_c = (u_a + u_b) / 2``:
+
+    * ``lower_computed = max_(a < b) |y_c - (y_a + y_b)/2|_2 / 2`` (section 7's three-point bound:
+      the 1/2 is part of the derivation) at the reported pair;
+    * ``float64_error = sqrt(r) FLOAT64_REL max_j |v_j|_inf + 4 u lower_computed``.
+
+    Both sides are float64 evaluations of the same outputs from the same float32 inputs and
+    weights: each output within ``agreement_rel_tol(float64, N, d, m)`` of the value scale ``S``,
+    so the bound within ``sqrt(r) a64 S`` (three outputs, weights 1/2, 1/4, 1/4 after the
+    halving; Euclidean over r components), plus its own roundings."""
+    import itertools
+    import math
+
+    xq, xb = tiny["xq"], tiny["xb"]
+    Q, N = xq.shape[0], xb.shape[0]
+    res = rc.no_global_readout(tiny["spec"], tiny["w"], xq, torch.full((Q,), N_CTX - 1), xb,
+                               torch.arange(N))
+    pairs = list(itertools.combinations(range(Q), 2))
+    x64 = xq.double()
+    X = torch.cat((x64, torch.stack([(x64[a] + x64[b]) / 2 for a, b in pairs])))
+    y, v = _model_attention64(tiny["model"], LAYER, X, N_CTX - 1, xb, torch.arange(N))
+    spec = tiny["spec"]
+    d, r, m = spec.head_dim, spec.r, xq.shape[1]
+    a64 = tl.agreement_rel_tol(torch.float64, N, d, m)
+    U64 = 2.0 ** -53
+    for h, row in enumerate(res["heads"]):
+        gap = torch.stack([y[h, Q + c] - (y[h, a] + y[h, b]) / 2 for c, (a, b) in enumerate(pairs)])
+        lower = torch.linalg.vector_norm(gap, dim=-1) / 2
+        best = float(lower.max())
+        S = float(v[h].abs().max())
+        tol = math.sqrt(r) * a64 * S + 8 * U64 * best
+        assert abs(row["lower_computed"] - best) <= tol, (h, row["lower_computed"], best, tol)
+        a, b = row["pair"]
+        assert abs(float(lower[pairs.index((a, b))]) - best) <= 2 * tol  # the reported pair
+        err = math.sqrt(r) * tl.FLOAT64_REL * S + 4 * U64 * best
+        assert abs(row["float64_error"] - err) <= 4 * a64 * err, (h, row["float64_error"], err)
+        assert row["lower_certified"] == row["lower_computed"] - row["float64_error"]
+
+
+def test_exact_rows_report_planted_relative_errors(tiny, tiny_reference, monkeypatch):
+    """A relative error planted in the float64 side is reported as planted: every output moved
+    by ``1e-6 S`` (``S = max_j |v_j|_inf`` over the row's keys, recomputed here from the model's
+    own ``v_proj`` in float64) gives ``y_rel = 1e-6`` (the error relative to the value scale,
+    as the tolerance is stated); every coefficient scaled by ``1 + 1e-6`` gives ``c_rel = 1e-6``
+    (relative to ``c_exact``).  Each within the unplanted row's own error (triangle inequality)
+    plus the agreement of the two value scales and the planted sums' roundings."""
+    import copy
+
+    rows, ref = tiny_reference
+    (h, i), = rows
+    args = (tiny["spec"], tiny["w"], tiny["x"], tiny["pos"], rows)
+    clean = rc.exact_rows(*args, reference=ref)["rows"][0]
+    model = tiny["model"]
+    attn = model.model.layers[LAYER].self_attn
+    Hk, d = model.config.num_key_value_heads, attn.head_dim
+    g = h // (model.config.num_attention_heads // Hk)
+    with torch.no_grad():
+        v = copy.deepcopy(attn.v_proj).to(torch.float64)(tiny["x"][: i + 1].double())
+    S = float(v.view(i + 1, Hk, d)[:, g].abs().max())
+    n, dd, m = i + 1, tiny["spec"].head_dim, tiny["x"].shape[1]
+    slack = tl.agreement_rel_tol(torch.float64, n, dd, m) + 8 * 2.0 ** -53
+    planted = 1e-6
+    orig = fast.step
+
+    def moved(*a, **k):
+        st = orig(*a, **k)
+        st.y = st.y + planted * S
+        st.c = st.c * (1 + planted)
+        return st
+
+    monkeypatch.setattr(fast, "step", moved)
+    got = rc.exact_rows(*args, reference=ref)["rows"][0]
+    print("planted 1e-6: y_rel", got["y_rel"], "c_rel", got["c_rel"], "clean", clean["y_rel"],
+          clean["c_rel"])
+    # the planted sums' own rounding: u |y| <= u S and u c <= u |c| in the reported units
+    own = 4 * 2.0 ** -53
+    assert abs(got["y_rel"] - planted) <= clean["y_rel"] + planted * slack + own
+    assert abs(got["c_rel"] - planted) <= clean["c_rel"] + planted * slack + own
+    assert not got["ok"]  # 1e-6 is far outside FLOAT64_REL
+
+
 def _layer0_heads(model, ids, position_ids, attention_mask):
     """Per-head outputs (o_proj input) of layer 0 in one whole-model forward."""
     rec = []
@@ -249,8 +364,8 @@ def test_shifted_position_id_is_what_the_whole_model_does(tiny_qwen2):
     heads = _layer0_heads(model, ids, moved, ones)
     base = _layer0_heads(model, ids, torch.arange(N_CTX), ones)
     x0 = models.capture(model, ids, [0])[0].x.double()
-    info, attn, mod = rc._model_parts(model, 0)
-    att = rc._Attention64(model, info, attn, mod, x0)
+    info, conv, parts = rc._model_parts(model, 0)
+    att = rc._Attention64(model, info, conv, parts, x0)
     mine = att.heads_with_model_tables(moved)
     tol = tl.native_rel_tol(N_CTX, info.head_dim, info.hidden)
     rel = float((mine - heads).abs().max() / heads.abs().max())
@@ -263,7 +378,7 @@ def test_shifted_position_id_is_what_the_whole_model_does(tiny_qwen2):
     assert torch.equal(heads[:40], base[:40])
 
     packed = _layer0_heads(model, ids, moved, None)
-    v40 = att.v[0, :, 40]  # (H, r): token 40's own value per query head
+    v40 = att.v[:, 40]  # (H, r): token 40's own value per query head
     own = float((packed[40] - v40).abs().max() / v40.abs().max())
     print("no attention mask: token 40's output vs its own value:", own)
     assert own <= tol  # packed: token 40 attends to itself alone
@@ -322,7 +437,7 @@ def test_bad_input(tiny, build_tiny):
         (lambda: rc.exact_rows(spec, w, x, pos, [(0, 1)], digits=8), "digits"),
         (lambda: rc.positive_coefficients(spec, w, x[:5], pos), "shape"),
         (lambda: rc.delta_m_rank(spec, replace(w, w_o=None), x, pos, [(0, 1)]), "w_o"),
-        (lambda: rc.conventions(torch.nn.Linear(2, 2), 0, x, pos), "unsupported"),
+        (lambda: rc.conventions(torch.nn.Linear(2, 2), 0, x, pos), "not a rotary attention"),
         (lambda: rc.conventions(build_tiny("qwen3", seed=5), 0, x, pos), "not affine"),
     ]
     for call, msg in cases:

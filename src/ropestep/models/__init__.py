@@ -24,6 +24,7 @@ loading -> capture.
 """
 from __future__ import annotations
 
+from . import attention  # noqa: F401  (models.attention: the layer run for the checks)
 from .capture import (BlockCapture, ContinuationCapture, LayerCapture, capture, capture_block,
                       capture_continuations, top_candidates)
 from .conventions import (LayerConventions, ModelInfo, check_config, check_layer_index,

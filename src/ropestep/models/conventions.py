@@ -692,11 +692,14 @@ def layer_head(model: Any, layer: int, n_positions: int, *, dtype: torch.dtype =
         weights.q_norm = gq[perm].to(device=device, dtype=dtype)
         weights.k_norm = gk[perm].to(device=device, dtype=dtype)
         norm_eps = conv.norm_eps
+    freqs = None  # the rotary module's own frequencies (0 on pass-through pairs)
+    if conv.rotary_dim == 0 or conv.inv_freq:
+        freqs = tuple(conv.inv_freq) + (0.0,) * (d // 2 - len(conv.inv_freq))
     spec = HeadSpec(
         n_heads=H, n_kv_heads=Hk, head_dim=d,
         rope=RoPESpec(base=info.rope_theta if math.isfinite(info.rope_theta) else 10000.0,
                       layout="half" if conv.pairing == "half" else "interleaved",
-                      cos=cos.to(dtype), sin=sin.to(dtype)),
+                      cos=cos.to(dtype), sin=sin.to(dtype), freqs=freqs),
         family="qknorm" if conv.qk_norm else "dot", scale=conv.score_scale,
         softcap=conv.softcap, norm_eps=norm_eps)
     weights.check(spec, m)
