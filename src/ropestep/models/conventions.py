@@ -409,6 +409,10 @@ def read_layer(model: Any, info: ModelInfo, L: int, r: AttentionRecord) -> Layer
             for nm, heads, dim, ref, g in (("q", H, d, model_q, gq), ("k", Hk, d, model_k, gk),
                                            ("v", Hk, rv, model_v, None)):
                 W, b = parts[nm]
+                if tuple(W.shape) != (heads * dim, m):
+                    ok = False
+                    worst.append(f"{nm} rows {tuple(W.shape)} != {(heads * dim, m)}")
+                    break
                 W64 = W.detach().to("cpu", F64)
                 z = x64 @ W64.T
                 A = x64.abs() @ W64.abs().T
