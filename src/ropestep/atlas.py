@@ -203,7 +203,7 @@ def _pass_original(ch, L64, arr, nat, vscale, sc, Ah, anchors, anchor_every, T_a
     G_, Qc = len(hs), int(qi.numel())
     s, c = ch.extra["s"], ch.extra["c"]  # (G, Qc, n)
     n = s.shape[-1]
-    mask = scale.causal_chunk_mask(L64.pos, qi, n)  # (Qc, n), as the chunk was computed
+    mask = scale.causal_chunk_mask(L64.pos, qi, n, L64.spec.window)  # as the chunk was computed
     y, ro, mu, t = ch.y, ch.readout, ch.mu, ch.t  # (G, Qc, r), (Qc, r), (G, Qc, d, r)
     ref = nat[qi][:, hs].transpose(0, 1)
     arr["id_abs"][h0:h1, qi] = (ro - y).abs().amax(-1)

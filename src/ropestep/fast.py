@@ -25,6 +25,8 @@ The slow, explicit references with the same definitions are :mod:`ropestep.exact
 """
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
@@ -185,7 +187,7 @@ def step(spec: HeadSpec, weights: HeadWeights, x_q: Any, pos_q: Any, x_kv: Any, 
     kind = _gauge_kind(gauge)
     Qn = int(np.shape(x_q)[0]) if hasattr(x_q, "shape") else len(x_q)
     Nn = int(np.shape(x_kv)[0]) if hasattr(x_kv, "shape") else len(x_kv)
-    mask = resolve_mask(mask, pos_q, pos_kv, Qn, Nn)
+    mask = resolve_mask(mask, pos_q, pos_kv, Qn, Nn, spec.window)
     Q, N, m = check_inputs(spec, weights, x_q, pos_q, x_kv, pos_kv, mask, bias)
     if (delta_m or kind == "free") and not spec.affine:
         raise ValueError(f"family {spec.family!r} is not affine in u: Delta M and free gauges "
@@ -528,16 +530,23 @@ def prefix_full(y_prefix: torch.Tensor, v_self: torch.Tensor, pi: torch.Tensor) 
     return (1 - pi)[..., None] * y_prefix + pi[..., None] * v_self
 
 
-def self_mass(s_self: torch.Tensor, s_prefix: torch.Tensor, softcap: float | None = None
-              ) -> torch.Tensor:
-    """``pi = e^{z_self} / (sum_j e^{z_j} + e^{z_self})`` computed stably (``z = phi(s)``)."""
+def self_mass(s_self: torch.Tensor, s_prefix: torch.Tensor, softcap: float | None = None,
+              mask: torch.Tensor | None = None) -> torch.Tensor:
+    """``pi = e^{z_self} / (sum_j e^{z_j} + e^{z_self})`` computed stably (``z = phi(s)``), the
+    sum over the permitted prefix keys (``mask (Q, N)``; all of them without one)."""
     zs, zp = transform(s_self, softcap), transform(s_prefix, softcap)
+    if mask is not None:
+        zp = zp.masked_fill(~mask.to(zp.device), -math.inf)
     return torch.softmax(torch.cat((zp, zs[..., None]), -1), -1)[..., -1]
 
 
-def full_bank_mean(mu_prefix: torch.Tensor, v_self: torch.Tensor, n_prefix: int) -> torch.Tensor:
-    """Mean of the full bank (prefix plus self): ``(N mu + v_self)/(N + 1)``."""
-    return (n_prefix * mu_prefix + v_self) / (n_prefix + 1)
+def full_bank_mean(mu_prefix: torch.Tensor, v_self: torch.Tensor, n_prefix: Any) -> torch.Tensor:
+    """Mean of the full bank (prefix plus self): ``(N mu + v_self)/(N + 1)``; ``n_prefix`` the
+    number of permitted prefix keys (an int, or per query ``(Q,)``)."""
+    n = torch.as_tensor(n_prefix, dtype=mu_prefix.dtype, device=mu_prefix.device)
+    if n.ndim == 1:
+        n = n[:, None]
+    return (n * mu_prefix + v_self) / (n + 1)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -421,9 +421,9 @@ def evaluate_layer(spec, weights, cap: ContextCapture, layer: int, model_dtype: 
     idx_self = N + torch.arange(Q, device=PF.v.device)
     v_self = PF.v[:, idx_self]  # (H, Q, r): head h's value of query i's own token
     s_self = stF.s[:, torch.arange(Q), idx_self]  # (H, Q)
-    pi = fast.self_mass(s_self, stP.s)
+    pi = fast.self_mass(s_self, stP.s, spec.softcap, stP.mask)
     y_rel = fast.prefix_full(stP.y, v_self, pi)
-    mu_rel = fast.full_bank_mean(stP.mu, v_self, N)
+    mu_rel = fast.full_bank_mean(stP.mu, v_self, stP.mask.sum(-1))  # permitted prefix keys
 
     native = qry.heads.permute(1, 0, 2).to(device, f64)  # (H, Q, r)
     native_o = qry.o.to(device, f64)  # (Q, D)

@@ -800,10 +800,12 @@ class _Attention64:
             q, k = rot(self.q, cos, sin, self.conv), rot(self.k, cos, sin, self.conv)
             k = k.repeat_interleave(self.group, 0)
             out = []
+            W = self.conv.window
             for i in rows:
-                s = (q[:, i:i + 1] @ k[:, : i + 1].transpose(-1, -2)) * self.scaling
-                w = torch.softmax(s, -1)  # (H, 1, i+1), float64
-                out.append((w @ self.v[:, : i + 1])[:, 0])  # (H, r)
+                lo = 0 if W is None else max(0, i - W + 1)  # the window, by sequence index
+                s = (q[:, i:i + 1] @ k[:, lo: i + 1].transpose(-1, -2)) * self.scaling
+                w = torch.softmax(_phi(s, self.conv.softcap), -1)  # (H, 1, i+1-lo), float64
+                out.append((w @ self.v[:, lo: i + 1])[:, 0])  # (H, r)
             return torch.stack(out)  # (rows, H, r)
 
     def heads_at(self, positions: torch.Tensor, rows: Sequence[int]) -> torch.Tensor:
@@ -876,22 +878,45 @@ def _setup_positional(model: Any, layer: int, x: Any, positions: Any, queries: A
 
 
 def _row_terms(spec: HeadSpec, P: fast.Projected, qn: int, i: int, h: int):
-    """Ropestep's pieces of row ``(h, i)``: effective query, keys and values of ``j <= i``,
-    generator, and the derivative bounds ``G_n = max_{j != i} sum_l omega_l^n |q_l| |k_jl|``."""
+    """Ropestep's pieces of row ``(h, i)``: effective query, keys and values of the permitted
+    ``j <= i`` (within the sliding window, by sequence index as the model masks), generator, the
+    derivative bounds ``G_n = max_{j != i} sum_l omega_l^n |q_l| |k_jl|``, and the row of the
+    query's own key among them."""
     q = P.q[h, qn]  # scaled rotated query
-    K, V = P.k[h, : i + 1], P.v[h, : i + 1]
+    lo = 0 if spec.window is None else max(0, i - int(spec.window) + 1)
+    K, V = P.k[h, lo: i + 1], P.v[h, lo: i + 1]
+    own = i - lo
     A = rope.rope_generator(spec, h)
     d = spec.head_dim
     om = rope.spec_frequencies(spec, h)
     li = rope.frequency_index(d, spec.rope.layout)
     qp = torch.zeros(d // 2, dtype=F64).index_add_(0, li, q * q).sqrt()
-    kp = torch.zeros(i + 1, d // 2, dtype=F64).index_add_(1, li, K * K).sqrt()
+    kp = torch.zeros(K.shape[0], d // 2, dtype=F64).index_add_(1, li, K * K).sqrt()
     G = {}
     for nn in (0, 1, 2, 3):
         g = (kp * qp[None] * om[None] ** nn).sum(1)
-        g[i] = 0.0  # the query's own key moves with it: no dependence
+        g[own] = 0.0  # the query's own key moves with it: no dependence
         G[nn] = float(g.max())
-    return q, K, V, A, G
+    return q, K, V, A, G, own
+
+
+def _phi(s: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    """The layer's score transform: ``c tanh(s / c)`` (identity without a soft-cap)."""
+    return s if softcap is None else softcap * torch.tanh(s / softcap)
+
+
+def _capped(G: dict, softcap: float | None) -> dict:
+    """Bounds on the derivatives of the transformed scores ``z = c tanh(s / c)`` from those of
+    ``s`` (Faa di Bruno: ``z^(1) = phi^(1) s^(1)``, ``z^(2) = phi^(2) (s^(1))^2 + phi^(1)
+    s^(2)``, ``z^(3) = phi^(3) (s^(1))^3 + 3 phi^(2) s^(1) s^(2) + phi^(1) s^(3)``), with
+    ``|phi^(1)| <= 1``, ``|phi^(2)| <= 4 / (3 sqrt(3) c)`` (the maximum of ``2 tanh sech^2``) and
+    ``|phi^(3)| <= 2 / c^2`` (``2 sech^2 |1 - 3 tanh^2| <= 2``)."""
+    if softcap is None:
+        return G
+    c = float(softcap)
+    k2, k3 = 4.0 / (3.0 * math.sqrt(3.0) * c), 2.0 / (c * c)
+    return {0: G[0], 1: G[1], 2: k2 * G[1] ** 2 + G[2],
+            3: k3 * G[1] ** 3 + 3.0 * k2 * G[1] * G[2] + G[3]}
 
 
 def _derivative_bounds(V: torch.Tensor, G: dict) -> tuple[torch.Tensor, ...]:
@@ -954,17 +979,21 @@ def position_derivative(model: Any, layer: int, x: Any, positions: Any, queries:
         pi = int(pos[i])
         an_h, tol_h, hs = [], [], []
         for h in range(spec_an.n_heads):
-            q, K, V, A, G = _row_terms(spec_an, P, qn, i, h)
+            q, K, V, A, G, own = _row_terms(spec_an, P, qn, i, h)
             s = K @ q
             qA = q @ A.T  # d q~ / dp = q~ A^T
             ds = K @ qA
-            ds[i] = ds[i] + q @ (K[i] @ A.T)  # the own key moves too: ~0
+            ds[own] = ds[own] + q @ (K[own] @ A.T)  # the own key moves too: ~0
+            if spec_an.softcap is not None:  # z = phi(s), z' = phi'(s) s'
+                th = torch.tanh(s / spec_an.softcap)
+                s, ds = spec_an.softcap * th, (1 - th * th) * ds
+                G = _capped(G, spec_an.softcap)
             w = torch.softmax(s, 0)
             dbar = (w * ds).sum()
             an = (w * (ds - dbar)) @ V
             B1, B2, B3 = _derivative_bounds(V, G)
             S = float(V.abs().max())
-            N = i + 1
+            N = K.shape[0]
             e_y = tl.position_eval_abs(N, d, m, S, pi + 1.0, B1)
             b3 = float(B3.max())
             e_max = float(torch.as_tensor(e_y).max())
@@ -1035,19 +1064,20 @@ def position_shift(model: Any, layer: int, x: Any, positions: Any, queries: Sequ
             pp[i] += delta
             ym = att.heads_at(pp, [i])[0]  # (H, r)
             for h in range(spec_an.n_heads):
-                q, K, V, A, G = _row_terms(spec_an, P, qn, i, h)
+                q, K, V, A, G, own = _row_terms(spec_an, P, qn, i, h)
                 dq = rope.rope_finite_difference(spec_an, q[:, None], float(delta), h)[:, 0]
-                dk = rope.rope_finite_difference(spec_an, K[i][:, None], float(delta), h)[:, 0]
+                dk = rope.rope_finite_difference(spec_an, K[own][:, None], float(delta), h)[:, 0]
                 q2 = q + dq
                 K2 = K.clone()
-                K2[i] = K[i] + dk
-                y_new = torch.softmax(K2 @ q2, 0) @ V
-                y_old = torch.softmax(K @ q, 0) @ V
+                K2[own] = K[own] + dk
+                y_new = torch.softmax(_phi(K2 @ q2, spec_an.softcap), 0) @ V
+                y_old = torch.softmax(_phi(K @ q, spec_an.softcap), 0) @ V
+                G = _capped(G, spec_an.softcap)
                 D_rs = y_new - y_old
                 D_m = ym[h] - y0[qn, h]
                 B1, _, _ = _derivative_bounds(V, G)
                 S = float(V.abs().max())
-                tol = 2 * tl.position_eval_abs(i + 1, d, m, S, pi + abs(delta), B1)
+                tol = 2 * tl.position_eval_abs(K.shape[0], d, m, S, pi + abs(delta), B1)
                 err = (D_m - D_rs).abs()
                 ratio = err / torch.as_tensor(tol)
                 rows.append({"head": h, "query": i, "position": pi, "delta": delta,

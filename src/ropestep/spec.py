@@ -90,6 +90,9 @@ class HeadSpec:
     temperature: float | tuple[float, ...] | None = None  # "cosine": tau_h > 0 per head
     softcap: float | None = None
     alibi_slopes: tuple[float, ...] | None = None
+    # sliding window: key j is permitted to query i only when p_i - p_j < window (Mistral,
+    # Gemma 2/3 local layers); None: no window.  Applied to every mask (resolve_mask).
+    window: int | None = None
     norm_eps: float = 1e-6
 
     def __post_init__(self) -> None:
@@ -179,6 +182,9 @@ def validate_spec(spec: HeadSpec) -> None:
         for x in t:
             if not (math.isfinite(x) and x > 0):
                 raise ValueError(f"temperature tau_h must be finite and > 0, got {x}")
+    if spec.window is not None and (isinstance(spec.window, bool) or int(spec.window) != spec.window
+                                    or spec.window < 1):
+        raise ValueError(f"window must be a positive integer or None, got {spec.window!r}")
     if spec.softcap is not None and not (math.isfinite(spec.softcap) and spec.softcap > 0):
         raise ValueError(f"softcap must be finite and > 0, got {spec.softcap}")
     if spec.alibi_slopes is not None:
@@ -328,15 +334,36 @@ def bank_mask(n_queries: int, n_keys: int) -> np.ndarray:
     return np.ones((n_queries, n_keys), dtype=bool)
 
 
-def resolve_mask(mask: Any, pos_q: Any, pos_kv: Any, n_q: int, n_kv: int) -> np.ndarray | Any:
-    """Accept ``"causal"``, ``"bank"`` (alias ``"prefix"``, ``"full"``) or a boolean array."""
+def window_mask(pos_q: Sequence[int], pos_kv: Sequence[int], window: int | None) -> np.ndarray:
+    """``mask[i, j] = pos_q[i] - pos_kv[j] < window`` (all True without a window)."""
+    pq, pk = _positions(pos_q, "pos_q"), _positions(pos_kv, "pos_kv")
+    if window is None:
+        return np.ones((pq.shape[0], pk.shape[0]), dtype=bool)
+    return (pq[:, None] - pk[None, :]) < int(window)
+
+
+def resolve_mask(mask: Any, pos_q: Any, pos_kv: Any, n_q: int, n_kv: int,
+                 window: int | None = None) -> np.ndarray | Any:
+    """Accept ``"causal"``, ``"bank"`` (alias ``"prefix"``, ``"full"``) or a boolean array; with
+    a sliding ``window`` (:attr:`HeadSpec.window`) every key at distance ``>= window`` from its
+    query is removed from the permitted set, whatever the mask."""
     if isinstance(mask, str):
         if mask == "causal":
-            return causal_mask(pos_q, pos_kv)
-        if mask in ("bank", "prefix", "full"):
-            return bank_mask(n_q, n_kv)
-        raise ValueError(f"unknown mask {mask!r}: use 'causal', 'bank' or a boolean array")
-    return mask
+            out = causal_mask(pos_q, pos_kv)
+        elif mask in ("bank", "prefix", "full"):
+            out = bank_mask(n_q, n_kv)
+        else:
+            raise ValueError(f"unknown mask {mask!r}: use 'causal', 'bank' or a boolean array")
+    else:
+        out = mask
+    if window is None:
+        return out
+    w = window_mask(pos_q, pos_kv, window)
+    if hasattr(out, "detach"):
+        import torch
+
+        return out & torch.as_tensor(w, device=out.device)
+    return np.asarray(out, dtype=bool) & w
 
 
 def alibi_slopes(n_heads: int) -> tuple[float, ...]:

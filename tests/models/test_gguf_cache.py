@@ -13,6 +13,7 @@ import torch
 
 from ropestep import models
 from ropestep import tolerances as tl
+from ropestep.provenance import sha256_file
 
 pytestmark = pytest.mark.model
 
@@ -43,7 +44,7 @@ def test_second_load_reads_the_cache_and_is_the_same_model(monkeypatch, tmp_path
     m1, tok1, t1 = _load(monkeypatch, tmp_path)
     dirs = list((tmp_path / "gguf").iterdir())
     assert len(dirs) == 1 and (dirs[0] / models.CACHE_MARKER).is_file()
-    sha = models.sha256_file(models.locate_smollm2_gguf())
+    sha = sha256_file(models.locate_smollm2_gguf())
     assert dirs[0].name.startswith(sha)
     m2, tok2, t2 = _load(monkeypatch, tmp_path)
     print(f"first load {t1:.1f} s, cached load {t2:.1f} s")

@@ -319,7 +319,13 @@ def capture_block(model: Any, block_ids: Any, layers: int | Sequence[int],
         cache = _out_cache(out)
         if cache is None:
             raise RuntimeError(f"{info.name}: the forward pass returned no KV cache")
-        cache.crop(-1)  # drop the observed token: the prefix's cache, positions 0..n-2
+        try:
+            cache.crop(-1)  # drop the observed token: the prefix's cache, positions 0..n-2
+        except RuntimeError:  # a sliding-window cache that already dropped keys cannot roll
+            # back: the prefix's cache from a forward over the prefix alone (no hooks)
+            out_p = base(input_ids=ids[None, :n - 1],
+                         position_ids=torch.arange(n - 1, device=dev)[None], use_cache=True)
+            cache = _out_cache(out_p)
         if cache.get_seq_length() != n - 1:
             raise RuntimeError(f"{info.name}: cache holds {cache.get_seq_length()} positions "
                                f"after cropping, expected {n - 1}")
@@ -338,11 +344,10 @@ def capture_block(model: Any, block_ids: Any, layers: int | Sequence[int],
                      **{ckw: cache})
                 calls = 1
             else:
-                for t in cand.tolist():
+                for t in cand.tolist():  # each on its own copy of the prefix's cache
                     base(input_ids=torch.tensor([[t]], device=dev),
                          position_ids=torch.tensor([[n - 1]], device=dev), use_cache=True,
-                         **{ckw: cache})
-                    cache.crop(-1)
+                         **{ckw: copy.deepcopy(cache)})
                 calls = Q
         queries = _take(rec, info, calls, torch.full((Q,), n - 1))
     return BlockCapture(full=full, logits=logits, candidates=cand, queries=queries)

@@ -646,9 +646,9 @@ def layer_head(model: Any, layer: int, n_positions: int, *, dtype: torch.dtype =
     (hidden,)`` (``None`` where the model has no bias), as ``dtype`` tensors on ``device``
     (float64 by default: the conversion from the model's weights is exact), in the head-dim
     order of :func:`_perm` (partial rotary).  RoPE: :func:`rope_tables`; the score scale is the
-    layer's ``scaling`` times ``a^2``; soft-capping as the layer's.  A layer whose window binds
-    within ``n_positions`` or that has attention sinks is refused (not modelled by the layer
-    paths).
+    layer's ``scaling`` times ``a^2``; soft-capping and the sliding window (``spec.window``:
+    keys at distance ``>= window`` leave every permitted set) as the layer's.  A layer with
+    attention sinks is refused (not modelled by the layer paths).
     """
     info = info if info is not None and info.layers else describe_model(model)
     check_layer_index(info, layer)
@@ -658,10 +658,6 @@ def layer_head(model: Any, layer: int, n_positions: int, *, dtype: torch.dtype =
         raise UnsupportedModelError(
             f"{who}: layer {layer} has attention sinks (a learned logit in the softmax "
             "denominator), which the layer paths do not model")
-    if conv.window is not None and n_positions > conv.window:
-        raise UnsupportedModelError(
-            f"{who}: layer {layer}'s sliding window of {conv.window} keys binds over "
-            f"{n_positions} positions; the layer paths model the full causal set only")
     attn = attention_module(layer_modules(model)[layer], who, layer)
     H, Hk, d, m = info.n_heads, info.n_kv_heads, info.head_dim, info.hidden
     parts = layout_candidates(attn, H, Hk, d, d)[conv.layout]
@@ -705,6 +701,6 @@ def layer_head(model: Any, layer: int, n_positions: int, *, dtype: torch.dtype =
                       layout="half" if conv.pairing == "half" else "interleaved",
                       cos=cos.to(dtype), sin=sin.to(dtype), freqs=freqs),
         family="qknorm" if conv.qk_norm else "dot", scale=conv.score_scale,
-        softcap=conv.softcap, norm_eps=norm_eps)
+        softcap=conv.softcap, norm_eps=norm_eps, window=conv.window)
     weights.check(spec, m)
     return spec, weights
