@@ -359,10 +359,8 @@ def resolve_mask(mask: Any, pos_q: Any, pos_kv: Any, n_q: int, n_kv: int,
     if window is None:
         return out
     w = window_mask(pos_q, pos_kv, window)
-    if hasattr(out, "detach"):
-        import torch
-
-        return out & torch.as_tensor(w, device=out.device)
+    if hasattr(out, "new_tensor"):  # a torch mask: combine on its device (no torch import)
+        return out & out.new_tensor(w)
     return np.asarray(out, dtype=bool) & w
 
 
