@@ -14,6 +14,7 @@ import contextlib
 import io
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -21,15 +22,16 @@ pytestmark = pytest.mark.model
 
 transformers = pytest.importorskip("transformers")
 
-from ropestep import archzoo, cli, models  # noqa: E402
+from ropestep import archzoo, cli, models, tolerances  # noqa: E402
 
 # what is not modelled yet: per command, the words its one-line refusal must contain (a
 # command not named here must pass every check)
 EXPECTED_REFUSALS = {
     "gemma2": {"atlas": "no soft-cap"},  # the atlas's descent statistics assume phi = id
-    "gemma3": {"atlas": "qknorm", "validate": "qknorm"},
-    "qwen3": {"atlas": "qknorm", "validate": "qknorm"},
-    "qwen3_moe": {"atlas": "qknorm", "validate": "qknorm"},
+    # QK-norm: the atlas runs in query space; validate's protocol is input-space throughout
+    "gemma3": {"validate": "qknorm"},
+    "qwen3": {"validate": "qknorm"},
+    "qwen3_moe": {"validate": "qknorm"},
     "olmo2": {"atlas": "QK-norm over the whole projection",
               "validate": "QK-norm over the whole projection"},
     "gpt_oss": {"atlas": "attention sinks", "validate": "attention sinks"},
@@ -146,3 +148,41 @@ def test_a_wrong_layout_is_refused(zoo, monkeypatch):
     monkeypatch.setitem(layouts.LAYOUTS, "fused", swapped)
     rc, text = _run(["validate", "--model", str(d), *VALIDATE, "--out", str(zoo / "wl")])
     assert rc == 2 and "no projection layout and rotation reproduces" in text, text[-2000:]
+
+
+def test_query_space_reuse_is_the_input_space_reuse(monkeypatch):
+    """The atlas's frozen reuse for QK-norm heads (query space: query i's effective query
+    before rotation -- normalised and scaled -- rotated to the anchor's position) is, on an
+    affine head, the input-space form ``u_i^T L_a`` of docs/math.md section 6: run one layer
+    both ways and compare every reuse error (and check the input-space statistics are left out).
+    """
+    from ropestep import atlas, scale
+    from ropestep.spec import HeadSpec
+
+    model = archzoo.build("llama")
+    n = 40
+    ids = torch.randint(0, archzoo.VOCAB, (n,), generator=torch.Generator().manual_seed(2))
+    cap = models.capture(model, ids, [1])[1]
+    spec, w = models.layer_head(model, 1, n)
+    x, pos = cap.x.double(), torch.arange(n)
+    kw = dict(layer=1, anchor_every=8)
+    ref = atlas.evaluate_layer(spec, w, x, pos, cap.heads, **kw)
+    real_project = scale.project_layer
+
+    def no_lw(*a, **k):
+        L = real_project(*a, **k)
+        L.lw = L.lwt = None
+        return L
+
+    monkeypatch.setattr(scale, "project_layer", no_lw)
+    monkeypatch.setattr(HeadSpec, "affine", property(lambda self: False))
+    qs = atlas.evaluate_layer(spec, w, x, pos, cap.heads, **kw)
+    assert np.isnan(qs.arrays["lam_input"]).all()
+    for key in ("reuse_frozen", "reuse_const", "reuse_mean", "tv"):
+        a, b = ref.arrays[key], qs.arrays[key]
+        fin = np.isfinite(a)
+        assert np.array_equal(fin, np.isfinite(b))
+        scale_ = float(np.abs(a[fin]).max())
+        tol = 8 * tolerances.agreement_rel_tol(torch.float64, n, spec.head_dim, x.shape[1])
+        assert float(np.abs(a[fin] - b[fin]).max()) <= tol * scale_, key
+    assert float(np.nanmax(ref.arrays["reuse_frozen"])) > 0

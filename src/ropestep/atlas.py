@@ -35,7 +35,7 @@ import math
 import resource
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -48,7 +48,7 @@ from .dist import (broadcast_from_rank0, exit_worker, finish, gather_to_rank0,
 from .kernel import augment
 from .provenance import portable_command, portable_config, portable_name
 from .rope import apply_rope
-from .spec import HeadSpec, HeadWeights
+from .spec import HeadSpec, HeadWeights, RoPESpec
 from .verdict import device_problem, input_error, output_and_threads_problem
 
 SCHEMA = "ropestep.atlas/1"
@@ -97,9 +97,6 @@ def evaluate_layer(spec: HeadSpec, weights: HeadWeights, x: torch.Tensor, positi
                    anchor_every: int = 64, max_bytes: int = scale.DEFAULT_MAX_BYTES,
                    device: Any = None, timers: dict | None = None) -> LayerResult:
     """All statistics of one captured layer: ``x (N, m)`` inputs, ``native (N, H, r)`` outputs."""
-    if not spec.affine:
-        raise AtlasError(f"layer {layer}: family {spec.family!r} has no Delta M (atlas needs "
-                         "affine heads)")
     if spec.alibi_slopes is not None or spec.softcap is not None:
         raise AtlasError(f"layer {layer}: the atlas covers plain RoPE dot-product heads "
                          "(no ALiBi, no soft-cap)")
@@ -118,10 +115,21 @@ def evaluate_layer(spec: HeadSpec, weights: HeadWeights, x: torch.Tensor, positi
     qn = L64.q.norm(dim=-1).amax(-1)  # (H,) max |q_eff| (scale included)
     kn = torch.stack([L64.k[L64.group_of(h)].norm(dim=-1).max() for h in range(H)])
     qk_max = qn * kn
-    # input-space metric A_h = W^_q^T W^_q scale^2 (L_i^T L_i = R_i A_h R_i^T), its square root
-    A = L64.lwt @ L64.lw  # (H, d, d)
-    ev, U = torch.linalg.eigh(A)
-    Ah = U @ torch.diag_embed(ev.clamp_min(0).sqrt()) @ U.transpose(-1, -2)
+    # input-space metric A_h = W^_q^T W^_q scale^2 (L_i^T L_i = R_i A_h R_i^T), its square root;
+    # a head whose score is not affine in u (QK-norm) has no input-space step: query space only
+    Ah = q_unrot = None
+    if spec.affine:
+        A = L64.lwt @ L64.lw  # (H, d, d)
+        ev, U = torch.linalg.eigh(A)
+        Ah = U @ torch.diag_embed(ev.clamp_min(0).sqrt()) @ U.transpose(-1, -2)
+    else:  # the effective queries before rotation (normalised, scaled): the same projection
+        # with the identity rotation, so frozen reuse rotates each query once, to the anchor
+        P = int(torch.as_tensor(positions).max()) + 1 if positions is not None else N
+        ident = RoPESpec(base=spec.rope.base, layout=spec.rope.layout,
+                         cos=torch.ones(P, spec.head_dim // 2, dtype=torch.float64),
+                         sin=torch.zeros(P, spec.head_dim // 2, dtype=torch.float64))
+        q_unrot = scale.project_layer(replace(spec, rope=ident), weights, x, positions,
+                                      dtype=torch.float64, device=device).q
     anchors = torch.arange(0, N, anchor_every, device=dev)
     na = int(anchors.numel())
     T_a = torch.zeros(H, na, d, r, dtype=torch.float64, device=dev)
@@ -148,8 +156,8 @@ def evaluate_layer(spec: HeadSpec, weights: HeadWeights, x: torch.Tensor, positi
     try:
         for ch in scale.stream(spec, weights, x, positions, gauge="original", layer=L64,
                                max_bytes=max_bytes, outputs=("s", "c", "kappa")):
-            _pass_original(ch, L64, arr, nat, vscale, sc, Ah, anchors, anchor_every, T_a, mu_a,
-                           y_a, p_a, u_all, lay)
+            _pass_original(ch, L64, arr, nat, vscale, sc, Ah, q_unrot, anchors, anchor_every,
+                           T_a, mu_a, y_a, p_a, u_all, lay)
             hs = ch.heads
             arr["native_orig_bound"][hs[0]:hs[-1] + 1, ch.queries] = bound(
                 hs, ch.queries, ch.extra["kappa"], torch.float64)
@@ -195,8 +203,8 @@ def evaluate_layer(spec: HeadSpec, weights: HeadWeights, x: torch.Tensor, positi
                        vscale.cpu().numpy(), nscale.cpu().numpy(), qk_max.cpu().numpy(), errors)
 
 
-def _pass_original(ch, L64, arr, nat, vscale, sc, Ah, anchors, anchor_every, T_a, mu_a, y_a,
-                   p_a, u_all, lay) -> None:
+def _pass_original(ch, L64, arr, nat, vscale, sc, Ah, q_unrot, anchors, anchor_every, T_a, mu_a,
+                   y_a, p_a, u_all, lay) -> None:
     """Reduce one float64 original-gauge chunk into the per-query arrays (see evaluate_layer)."""
     hs, qi = ch.heads, ch.queries
     h0, h1 = hs[0], hs[-1] + 1
@@ -236,13 +244,14 @@ def _pass_original(ch, L64, arr, nat, vscale, sc, Ah, anchors, anchor_every, T_a
     # (docs/math.md section 3; L_i^T L_i = R_i A_h R_i^T = B_i B_i^T)
     cb = L64.cos[:, qi] if L64.cos.shape[0] == 1 else L64.cos[hs][:, qi]
     sb = L64.sin[:, qi] if L64.sin.shape[0] == 1 else L64.sin[hs][:, qi]
-    Bt = apply_rope(Ah[hs][:, None], cb[..., None, :], sb[..., None, :], lay)  # (G, Qc, d, d)
-    B = Bt.transpose(-1, -2)
-    M = Bt @ Gm @ B
-    arr["lam_input"][h0:h1, qi] = torch.linalg.eigvalsh(M)[..., -1]
-    Y = Bt @ t  # (G, Qc, d, r)
-    inc = 0.5 * (Y * (M @ Y)).sum((-1, -2)) > (Y * Y).sum((-1, -2))
-    arr["inc_input"][h0:h1, qi] = inc.double()
+    if Ah is not None:
+        Bt = apply_rope(Ah[hs][:, None], cb[..., None, :], sb[..., None, :], lay)  # (G,Qc,d,d)
+        B = Bt.transpose(-1, -2)
+        M = Bt @ Gm @ B
+        arr["lam_input"][h0:h1, qi] = torch.linalg.eigvalsh(M)[..., -1]
+        Y = Bt @ t  # (G, Qc, d, r)
+        inc = 0.5 * (Y * (M @ Y)).sum((-1, -2)) > (Y * Y).sum((-1, -2))
+        arr["inc_input"][h0:h1, qi] = inc.double()
     # frozen reuse: anchors of this chunk first, then every query of the chunk
     q_list = qi.tolist()
     for a_idx, a in enumerate(anchors.tolist()):
@@ -254,11 +263,14 @@ def _pass_original(ch, L64, arr, nat, vscale, sc, Ah, anchors, anchor_every, T_a
             p_a[h0:h1, a_idx, :n] = p[:, j]
     aidx = torch.div(qi, anchor_every, rounding_mode="floor")  # (Qc,)
     apos = anchors[aidx]
-    lw = L64.lw[hs]  # (G, m+1, d) W^_q * scale
-    uq = u_all[qi] @ lw  # (G, Qc, d) unrotated queries
+    if L64.lw is not None:
+        lw = L64.lw[hs]  # (G, m+1, d) W^_q * scale
+        uq = u_all[qi] @ lw  # (G, Qc, d) unrotated queries
+    else:  # query space: query i's effective query before rotation (QK-norm: normalised)
+        uq = q_unrot[hs][:, qi]
     ca = L64.cos[:, apos] if L64.cos.shape[0] == 1 else L64.cos[hs][:, apos]
     sa = L64.sin[:, apos] if L64.sin.shape[0] == 1 else L64.sin[hs][:, apos]
-    q_at_a = apply_rope(uq, ca, sa, lay)  # u_i^T L_a
+    q_at_a = apply_rope(uq, ca, sa, lay)  # u_i^T L_a (query space: R(p_a) q_i)
     ta, ma, ya, pa = T_a[h0:h1, aidx], mu_a[h0:h1, aidx], y_a[h0:h1, aidx], p_a[h0:h1, aidx, :n]
     y_fr = ma + (q_at_a[:, :, None] @ ta)[:, :, 0]
     not_anchor = (qi != apos)[None].expand(G_, Qc)
@@ -372,10 +384,12 @@ def summarise_layer(results: Sequence[LayerResult], spec: HeadSpec, m: int, N: i
             "sink_mass": {"mean": float(np.mean(cat("sink"))), "median": _median(cat("sink"))},
             "lambda_max_query_space": {"median": _median(cat("lam_query")),
                                        "max": _max(cat("lam_query"))},
-            "lambda_max_input_space": {"median": _median(cat("lam_input")),
-                                       "max": _max(cat("lam_input"))},
+            "lambda_max_input_space": ({"median": _median(cat("lam_input")),
+                                        "max": _max(cat("lam_input"))} if spec.affine
+                                       else {"median": None, "max": None}),
             "step_increases_E_query_space": float(np.mean(cat("inc_query"))),
-            "step_increases_E_input_space": float(np.mean(cat("inc_input"))),
+            "step_increases_E_input_space": (float(np.mean(cat("inc_input"))) if spec.affine
+                                             else None),
             "reuse": {
                 "n_queries": int(sel.sum()),
                 "rrmse_vs_constant_anchor": float(math.sqrt(fr[sel].sum() / co[sel].sum()))
@@ -389,8 +403,14 @@ def summarise_layer(results: Sequence[LayerResult], spec: HeadSpec, m: int, N: i
             "value_scale": float(vs.max()), "native_scale": float(ns.max()),
         })
     errors = [e for r in results for e in r.errors]
-    return {"heads": heads, "errors": errors,
-            "passed": not errors and all(h["passed"] for h in heads)}
+    out = {"heads": heads, "errors": errors,
+           "passed": not errors and all(h["passed"] for h in heads)}
+    if not spec.affine:  # said, not left as NaN: the input-space statistics do not exist here
+        out["input_space"] = (f"not defined: the {spec.family!r} score is not affine in u, so "
+                              "no input-space Delta M or Hessian exists (docs/math.md section "
+                              "8); frozen reuse is measured in query space: R(p_a) applied to query i's "
+                              "normalised, unrotated query")
+    return out
 
 
 def _binned(err: np.ndarray, tv: np.ndarray) -> list[dict]:
@@ -694,10 +714,11 @@ HEATMAPS = (  # (key path, title, log10)
 
 
 def _get(h: dict, path: tuple) -> float:
+    """One statistic of a head; ``None`` (not defined for the head's score family) is NaN."""
     v: Any = h
     for p in path:
         v = v[p]
-    return float(v)
+    return math.nan if v is None else float(v)
 
 
 def grid(result: dict, path: tuple) -> tuple[list[int], np.ndarray]:
@@ -755,6 +776,8 @@ def render_markdown(result: dict) -> str:
             hs = lr["heads"]
 
             def col(path: tuple, how: str) -> str:
+                if "input_space" in lr and path[0].endswith("_input_space"):
+                    return "n/a"  # not defined for this score family (the layer says why)
                 x = np.array([_get(h, path) for h in hs])
                 return num(float(np.max(x) if how == "max" else np.median(x)))
 
