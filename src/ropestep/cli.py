@@ -218,6 +218,10 @@ COMMANDS: dict[str, tuple[Callable[[argparse.ArgumentParser], None], Handler, st
     "sweep": (_sweep_arguments, cmd_sweep,
               "identity sweep over (context, layer) items of synthetic layers or a model, "
               "sharded across torchrun processes (JSON report)"),
+    "architectures": (*_delegate("architectures"),
+                      "the architecture matrix: tiny models of every transformers architecture "
+                      "in ropestep.archzoo through atlas and validate; their conventions as "
+                      "read, outcomes and every check's worst ratio (JSON + Markdown)"),
 }
 
 
