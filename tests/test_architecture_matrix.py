@@ -27,7 +27,6 @@ from ropestep import archzoo, cli, models, tolerances  # noqa: E402
 # what is not modelled yet: per command, the words its one-line refusal must contain (a
 # command not named here must pass every check)
 EXPECTED_REFUSALS = {
-    "gemma2": {"atlas": "no soft-cap"},  # the atlas's descent statistics assume phi = id
     # QK-norm: the atlas runs in query space; validate's protocol is input-space throughout
     "gemma3": {"validate": "qknorm"},
     "qwen3": {"validate": "qknorm"},
@@ -186,3 +185,22 @@ def test_query_space_reuse_is_the_input_space_reuse(monkeypatch):
         tol = 8 * tolerances.agreement_rel_tol(torch.float64, n, spec.head_dim, x.shape[1])
         assert float(np.abs(a[fin] - b[fin]).max()) <= tol * scale_, key
     assert float(np.nanmax(ref.arrays["reuse_frozen"])) > 0
+
+
+def test_soft_capped_atlas_says_what_is_not_defined(zoo):
+    """Gemma 2's soft-capped layers: the identity, gauges, native comparisons and reuse are
+    checked; the unit step's descent statistics (derived for ``phi = id``) are reported as not
+    defined, with the reason, and left out of the replication-style count."""
+    import json
+
+    d = archzoo.save("gemma2", zoo / "gemma2-atlas")
+    rc, out = _run(["atlas", "--model", str(d), *ATLAS, "--out", str(zoo / "g2a")])
+    assert rc == 0, out[-3000:]
+    rep = json.loads((zoo / "g2a" / "report.json").read_text())
+    for L, lay in rep["layers"].items():
+        assert "phi = id" in lay["descent"]
+        for h in lay["heads"]:
+            assert h["lambda_max_query_space"] == {"median": None, "max": None}
+            assert h["step_increases_E_query_space"] is None
+            assert h["checks"]["identity_float64"] and h["checks"]["float64_vs_native"]
+    assert rep["replication_style_descent"]["pooled"]["heads"] == 0

@@ -45,7 +45,7 @@ import torch
 from . import fast, scale, tolerances
 from .dist import (broadcast_from_rank0, exit_worker, finish, gather_to_rank0,
                    init_distributed, shard_contiguous, under_launcher)
-from .kernel import augment
+from .kernel import augment, transform
 from .provenance import portable_command, portable_config, portable_name
 from .rope import apply_rope
 from .spec import HeadSpec, HeadWeights, RoPESpec
@@ -97,9 +97,8 @@ def evaluate_layer(spec: HeadSpec, weights: HeadWeights, x: torch.Tensor, positi
                    anchor_every: int = 64, max_bytes: int = scale.DEFAULT_MAX_BYTES,
                    device: Any = None, timers: dict | None = None) -> LayerResult:
     """All statistics of one captured layer: ``x (N, m)`` inputs, ``native (N, H, r)`` outputs."""
-    if spec.alibi_slopes is not None or spec.softcap is not None:
-        raise AtlasError(f"layer {layer}: the atlas covers plain RoPE dot-product heads "
-                         "(no ALiBi, no soft-cap)")
+    if spec.alibi_slopes is not None:
+        raise AtlasError(f"layer {layer}: the atlas covers RoPE heads without ALiBi biases")
     H, d, r = spec.n_heads, spec.head_dim, spec.r
     N = int(x.shape[0])
     tm = timers if timers is not None else {}
@@ -230,20 +229,24 @@ def _pass_original(ch, L64, arr, nat, vscale, sc, Ah, q_unrot, anchors, anchor_e
                                  smag.cpu().numpy())
     arr["id_bound"][h0:h1, qi] = torch.as_tensor(np.maximum(b, tolerances.FLOAT64_REL),
                                                  device=s.device)
-    p = torch.softmax(s.masked_fill(~mask[None], -math.inf), -1)  # (G, Qc, n)
+    z = transform(s, L64.spec.softcap)  # the softmax acts on phi(s)
+    p = torch.softmax(z.masked_fill(~mask[None], -math.inf), -1)  # (G, Qc, n)
     arr["sink"][h0:h1, qi] = p[..., 0]
-    # gradient step: G_i = sum_j c_ij k~_j^T k~_j, query and input space as d x d problems
     g = L64.group_of(hs[0])
-    Gm = fast.gram(c, L64.k[g, :n])  # (G, Qc, d, d)
-    lam_q, dE_q = fast.query_space_step(Gm, t, sc[hs][:, None])
-    arr["lam_query"][h0:h1, qi] = lam_q
-    arr["inc_query"][h0:h1, qi] = (dE_q > 0).double()
+    cb = L64.cos[:, qi] if L64.cos.shape[0] == 1 else L64.cos[hs][:, qi]
+    sb = L64.sin[:, qi] if L64.sin.shape[0] == 1 else L64.sin[hs][:, qi]
+    if L64.spec.softcap is None:  # the descent statistics are derived for phi = id
+        # gradient step: G_i = sum_j c_ij k~_j^T k~_j, query and input space as d x d problems
+        Gm = fast.gram(c, L64.k[g, :n])  # (G, Qc, d, d)
+        lam_q, dE_q = fast.query_space_step(Gm, t, sc[hs][:, None])
+        arr["lam_query"][h0:h1, qi] = lam_q
+        arr["inc_query"][h0:h1, qi] = (dE_q > 0).double()
+    else:
+        Ah = None
     # input space: with B_i^T = A_h^(1/2) R_i^T (one rotation of A_h^(1/2) per query), the
     # input-space Hessian's nonzero spectrum is that of M_i = B_i^T G_i B_i (d x d), and the
     # unit step's quadratic test reads, with Y_i = B_i^T T_i,  0.5 <Y, M Y> > <Y, Y>
     # (docs/math.md section 3; L_i^T L_i = R_i A_h R_i^T = B_i B_i^T)
-    cb = L64.cos[:, qi] if L64.cos.shape[0] == 1 else L64.cos[hs][:, qi]
-    sb = L64.sin[:, qi] if L64.sin.shape[0] == 1 else L64.sin[hs][:, qi]
     if Ah is not None:
         Bt = apply_rope(Ah[hs][:, None], cb[..., None, :], sb[..., None, :], lay)  # (G,Qc,d,d)
         B = Bt.transpose(-1, -2)
@@ -320,6 +323,8 @@ def summarise_layer(results: Sequence[LayerResult], spec: HeadSpec, m: int, N: i
                     lp_dtype: torch.dtype) -> dict:
     """Pool one layer's per-context results into per-head statistics and checks."""
     H, d = spec.n_heads, spec.head_dim
+    descent = spec.softcap is None  # the step statistics assume phi = id (docs/math.md s. 3)
+    descent_in = descent and spec.affine
     heads = []
     for h in range(H):
         def cat(key: str) -> np.ndarray:
@@ -382,13 +387,15 @@ def summarise_layer(results: Sequence[LayerResult], spec: HeadSpec, m: int, N: i
                              "max": _max(cat("kappa_maxkey"))},
             "spread": {"median": _median(cat("spread")), "max": _max(cat("spread"))},
             "sink_mass": {"mean": float(np.mean(cat("sink"))), "median": _median(cat("sink"))},
-            "lambda_max_query_space": {"median": _median(cat("lam_query")),
-                                       "max": _max(cat("lam_query"))},
-            "lambda_max_input_space": ({"median": _median(cat("lam_input")),
-                                        "max": _max(cat("lam_input"))} if spec.affine
+            "lambda_max_query_space": ({"median": _median(cat("lam_query")),
+                                        "max": _max(cat("lam_query"))} if descent
                                        else {"median": None, "max": None}),
-            "step_increases_E_query_space": float(np.mean(cat("inc_query"))),
-            "step_increases_E_input_space": (float(np.mean(cat("inc_input"))) if spec.affine
+            "lambda_max_input_space": ({"median": _median(cat("lam_input")),
+                                        "max": _max(cat("lam_input"))} if descent_in
+                                       else {"median": None, "max": None}),
+            "step_increases_E_query_space": (float(np.mean(cat("inc_query"))) if descent
+                                             else None),
+            "step_increases_E_input_space": (float(np.mean(cat("inc_input"))) if descent_in
                                              else None),
             "reuse": {
                 "n_queries": int(sel.sum()),
@@ -405,6 +412,10 @@ def summarise_layer(results: Sequence[LayerResult], spec: HeadSpec, m: int, N: i
     errors = [e for r in results for e in r.errors]
     out = {"heads": heads, "errors": errors,
            "passed": not errors and all(h["passed"] for h in heads)}
+    if not descent:  # said, not left as NaN
+        out["descent"] = (f"not defined: soft-capped scores (softcap {spec.softcap}); the unit "
+                          "step's descent statistics are derived for phi = id (docs/math.md "
+                          "section 3); the identity, gauges and frozen reuse hold as measured")
     if not spec.affine:  # said, not left as NaN: the input-space statistics do not exist here
         out["input_space"] = (f"not defined: the {spec.family!r} score is not affine in u, so "
                               "no input-space Delta M or Hessian exists (docs/math.md section "
@@ -588,8 +599,11 @@ def run(cfg: AtlasConfig, *, progress: bool = True, command: Sequence[str] | Non
     rep_lam: dict[int, list[np.ndarray]] = {L: [] for L in layers}
     for c, L, res in done:
         per_layer[L].append(res)
-        rep_inc[L].append(res.arrays["inc_query"][:, -1] > 0)
-        rep_lam[L].append(res.arrays["lam_query"][:, -1])
+        if specs[L][0].softcap is None:  # the step statistics assume phi = id
+            rep_inc[L].append(res.arrays["inc_query"][:, -1] > 0)
+            rep_lam[L].append(res.arrays["lam_query"][:, -1])
+    rep_inc = {L: v for L, v in rep_inc.items() if v}
+    rep_lam = {L: v for L, v in rep_lam.items() if v}
     out_layers = {}
     if not cfg.replication_only:
         for L in layers:
@@ -776,8 +790,9 @@ def render_markdown(result: dict) -> str:
             hs = lr["heads"]
 
             def col(path: tuple, how: str) -> str:
-                if "input_space" in lr and path[0].endswith("_input_space"):
-                    return "n/a"  # not defined for this score family (the layer says why)
+                if ("input_space" in lr and path[0].endswith("_input_space")) or (
+                        "descent" in lr and path[0].startswith(("lambda_max", "step_"))):
+                    return "n/a"  # not defined for this layer's score (the layer says why)
                 x = np.array([_get(h, path) for h in hs])
                 return num(float(np.max(x) if how == "max" else np.median(x)))
 
