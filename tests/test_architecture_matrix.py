@@ -31,8 +31,7 @@ EXPECTED_REFUSALS = {
     "gemma3": {"validate": "qknorm"},
     "qwen3": {"validate": "qknorm"},
     "qwen3_moe": {"validate": "qknorm"},
-    "olmo2": {"atlas": "QK-norm over the whole projection",
-              "validate": "QK-norm over the whole projection"},
+    "olmo2": {"validate": "qknorm"},  # QK-norm over every head of a token
     "gpt_oss": {"atlas": "attention sinks", "validate": "attention sinks"},
 }
 ATLAS = ["--contexts", "1", "--len", "40", "--layers", "all", "--anchor-every", "16",

@@ -312,7 +312,19 @@ def _build(spec: HeadSpec, weights: HeadWeights, x_q: Any, pos_q: Any, x_kv: Any
                 raise ValueError("cosine family: a vector has zero norm and cannot be normalised")
             return [x / n for x in vec]
 
-        def normed(vec, w):
+        all_scope = spec.family == "qknorm" and spec.norm_scope == "all"
+
+        def token_inv(Urow, W, heads):
+            """1/sqrt(mean over every head's raw projection of one token + eps) ("all")."""
+            raw = [_dot_(Urow, W[:, g_, c]) for g_ in range(heads) for c in range(d)]
+            return 1 / mp.sqrt(fsum(x * x for x in raw) / len(raw) + mp.mpf(spec.norm_eps))
+
+        inv_q = [token_inv(U[i], Wq, H) for i in range(Q)] if all_scope else None
+        inv_k = [token_inv(Uk[j], Wk, Hk) for j in range(N)] if all_scope else None
+
+        def normed(vec, w, inv=None):
+            if all_scope:
+                return [x * inv * wi for x, wi in zip(vec, w)]
             if spec.family == "qknorm":
                 return rms(vec, w)
             if spec.family == "cosine":
@@ -339,7 +351,8 @@ def _build(spec: HeadSpec, weights: HeadWeights, x_q: Any, pos_q: Any, x_kv: Any
             Rk = {}
             for j in range(N):
                 kraw = [_dot_(Uk[j], Wk[:, g, c]) for c in range(d)]
-                kvec = mp.matrix(normed(kraw, kn))
+                kvec = mp.matrix(normed(kraw, kn[g] if all_scope else kn,
+                                        inv_k[j] if all_scope else None))
                 Rk.setdefault(pk[j], rot(int(pk[j]), h))
                 kt = Rk[pk[j]] * kvec  # column form: k~^T = R(p) k^T
                 k_all[h, j] = [kt[c] for c in range(d)]
@@ -347,7 +360,8 @@ def _build(spec: HeadSpec, weights: HeadWeights, x_q: Any, pos_q: Any, x_kv: Any
             for i in range(Q):
                 Rq = rot(int(pq[i]), h)
                 qraw = [_dot_(U[i], Wq[:, h, c]) for c in range(d)]
-                qt = Rq * mp.matrix(normed(qraw, qn))
+                qt = Rq * mp.matrix(normed(qraw, qn[h] if all_scope else qn,
+                                           inv_q[i] if all_scope else None))
                 q_all[h, i] = [qt[c] * sc for c in range(d)]
                 if affine:
                     # L_i = W^_q,h R(p_i)^T * scale   ((m+1) x d)

@@ -97,8 +97,8 @@ def project(spec: HeadSpec, weights: HeadWeights, x_q: Any, pos_q: Any, x_kv: An
     k = torch.einsum("nm,mhd->hnd", u_k, wk)
     v = torch.einsum("nm,mhd->hnd", u_k, wv)
     if spec.family == "qknorm":
-        q = rms_norm(q, cast(weights.q_norm), spec.norm_eps)
-        k = rms_norm(k, cast(weights.k_norm), spec.norm_eps)
+        q = rms_norm(q, cast(weights.q_norm), spec.norm_eps, spec.norm_scope)
+        k = rms_norm(k, cast(weights.k_norm), spec.norm_eps, spec.norm_scope)
     elif spec.family == "cosine":
         q, k = unit_rows(q, "query"), unit_rows(k, "key")
     kv_of = torch.arange(spec.n_heads, device=q.device) // spec.group

@@ -149,8 +149,12 @@ def augmented_weight(w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
     return torch.cat((w, row), dim=0)
 
 
-def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm over the last dim: ``x / sqrt(mean(x^2) + eps) * w`` (QK-norm family)."""
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, scope: str = "head") -> torch.Tensor:
+    """RMSNorm of ``x (heads, n, d)``: ``x / sqrt(mean(x^2) + eps) * w`` with the mean over each
+    head's last dim (``scope="head"``, ``w (d,)``) or over all heads and dims of a token
+    (``scope="all"``, ``w (heads, d)``; OLMo 2's norm before the head split)."""
+    if scope == "all":
+        return x * torch.rsqrt((x * x).mean((0, -1), keepdim=True) + eps) * w[:, None, :]
     return x * torch.rsqrt((x * x).mean(-1, keepdim=True) + eps) * w
 
 

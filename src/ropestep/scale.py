@@ -179,8 +179,8 @@ def project_layer(spec: HeadSpec, weights: HeadWeights, x: Any, positions: Any =
     k = proj(weights.w_k, weights.b_k, Hk, d)
     v = proj(weights.w_v, weights.b_v, Hk, r)
     if spec.family == "qknorm":
-        q = rms_norm(q, cast(weights.q_norm), spec.norm_eps)
-        k = rms_norm(k, cast(weights.k_norm), spec.norm_eps)
+        q = rms_norm(q, cast(weights.q_norm), spec.norm_eps, spec.norm_scope)
+        k = rms_norm(k, cast(weights.k_norm), spec.norm_eps, spec.norm_scope)
     elif spec.family == "cosine":
         q, k = unit_rows(q, "query"), unit_rows(k, "key")
     pt = torch.as_tensor(pos, device=xc.device)

@@ -94,6 +94,9 @@ class HeadSpec:
     # Gemma 2/3 local layers); None: no window.  Applied to every mask (resolve_mask).
     window: int | None = None
     norm_eps: float = 1e-6
+    # "qknorm": one RMS per head over its d dims ("head", Qwen3, Gemma 3), or one over all heads'
+    # H d (resp. H_kv d) dims of a token ("all", OLMo 2); weights (d,) or (heads, d)
+    norm_scope: str = "head"
 
     def __post_init__(self) -> None:
         validate_spec(self)
@@ -193,6 +196,8 @@ def validate_spec(spec: HeadSpec) -> None:
                 f"{len(spec.alibi_slopes)} ALiBi slopes given for {spec.n_heads} heads")
         if not all(math.isfinite(float(x)) for x in spec.alibi_slopes):
             raise ValueError("ALiBi slopes must be finite")
+    if spec.norm_scope not in ("head", "all"):
+        raise ValueError(f"norm_scope must be 'head' or 'all', got {spec.norm_scope!r}")
     if not (spec.norm_eps >= 0 and math.isfinite(spec.norm_eps)):
         raise ValueError(f"norm_eps must be finite and >= 0, got {spec.norm_eps}")
 
@@ -240,12 +245,13 @@ class HeadWeights:
                 raise ValueError(f"{name} must have shape {shp}, got {got}")
             _finite(a, name)
         if spec.family == "qknorm":
-            for name in ("q_norm", "k_norm"):
+            for name, heads in (("q_norm", H), ("k_norm", spec.n_kv_heads)):
                 a = getattr(self, name)
+                shp = (d,) if spec.norm_scope == "head" else (heads, d)
                 if a is None:
-                    raise ValueError(f"family 'qknorm' needs {name} weights of shape ({d},)")
-                if _shape(a, name) != (d,):
-                    raise ValueError(f"{name} must have shape ({d},), got {_shape(a, name)}")
+                    raise ValueError(f"family 'qknorm' needs {name} weights of shape {shp}")
+                if _shape(a, name) != shp:
+                    raise ValueError(f"{name} must have shape {shp}, got {_shape(a, name)}")
                 _finite(a, name)
         if self.w_o is not None:
             got = _shape(self.w_o, "w_o")

@@ -63,12 +63,13 @@ class LayerConventions:
     scaling: float  # the multiplier the eager attention applies to q.k
     softcap: float | None
     window: int | None  # permitted keys j of query i: j <= i and i - j < window
-    qk_norm: bool  # per-head RMS norms on q and k before RoPE
+    qk_norm: bool  # RMS norms on q and k before RoPE
     norm_eps: float
     qkv_bias: bool
     o_bias: bool
     sinks: bool  # a learned per-head sink logit in the softmax denominator
     inv_freq: tuple[float, ...] = ()  # the rotary module's angular frequencies (R/2 of them)
+    norm_scope: str = "head"  # QK-norm over each head ("head") or every head of a token ("all")
 
     @property
     def score_scale(self) -> float:
@@ -78,7 +79,8 @@ class LayerConventions:
         """The reading as plain data (reports)."""
         d = {k: getattr(self, k) for k in (
             "layer", "attention", "layout", "output", "rotary", "rotary_dim", "pairing", "tables",
-            "amplitude", "scaling", "softcap", "window", "qk_norm", "norm_eps", "qkv_bias",
+            "amplitude", "scaling", "softcap", "window", "qk_norm", "norm_scope", "norm_eps",
+            "qkv_bias",
             "o_bias", "sinks")}
         d["score_scale"] = self.score_scale
         return d
@@ -379,21 +381,27 @@ def read_layer(model: Any, info: ModelInfo, L: int, r: AttentionRecord) -> Layer
     rot_name = match[0] + ("" if match[1] is None else f"(layer_type={match[1]!r})")
     # QK-norm
     norms = [getattr(attn, nm, None) for nm in ("q_norm", "k_norm")]
-    qk_norm, eps = False, math.nan
+    qk_norm, eps, scope = False, math.nan, "head"
     gq = gk = None
     if any(nm is not None for nm in norms):
         if any(nm is None for nm in norms):
             raise UnsupportedModelError(f"{who}: layer {L} normalises only one of q and k")
-        sizes = {int(next(nm.parameters()).numel()) for nm in norms}
-        if sizes != {d}:
+        sizes = tuple(int(next(nm.parameters()).numel()) for nm in norms)
+        if sizes == (d, d):
+            scope = "head"
+        elif sizes == (H * d, Hk * d):
+            scope = "all"  # one RMS over every head of a token, before the head split
+        else:
             raise UnsupportedModelError(
-                f"{who}: layer {L}'s q_norm/k_norm act on {sorted(sizes)} features, not one "
-                f"head ({d}): QK-norm over the whole projection is not modelled")
-        (gq, eq), (gk, ek) = (_norm_weight(nm, d, f"{who}: layer {L} {w}")
-                              for nm, w in zip(norms, ("q_norm", "k_norm")))
+                f"{who}: layer {L}'s q_norm/k_norm act on {sizes} features: neither one head "
+                f"({d}) nor every head ({H * d}, {Hk * d})")
+        (gq, eq), (gk, ek) = (_norm_weight(nm, sz, f"{who}: layer {L} {w}")
+                              for nm, sz, w in zip(norms, sizes, ("q_norm", "k_norm")))
         if eq != ek:
             raise UnsupportedModelError(f"{who}: layer {L} q_norm eps {eq} != k_norm eps {ek}")
         qk_norm, eps = True, eq
+        if scope == "all":
+            gq, gk = gq.view(H, d), gk.view(Hk, d)
     # projections: the (layout, rotation) that reproduces the layer's own tensors
     x64 = r.hidden.reshape(n, -1).to("cpu", F64)
     m = x64.shape[-1]
@@ -421,11 +429,14 @@ def read_layer(model: Any, info: ModelInfo, L: int, r: AttentionRecord) -> Layer
                 z, A = z.view(n, heads, dim), A.view(n, heads, dim)
                 E = tl.rotated_projection_abs(mdt, A, m + 1) + tl.rotated_projection_abs(
                     F64, A, m + 1)
-                if g is not None:  # per-head RMS norm: first-order propagation of E
-                    rms = torch.sqrt(z.pow(2).mean(-1, keepdim=True) + eps)
+                if g is not None:  # RMS norm (per head, or over every head of a token):
+                    # first-order propagation of E
+                    red = (-1,) if scope == "head" else (-2, -1)
+                    nn_ = dim if scope == "head" else dim * heads
+                    rms = torch.sqrt(z.pow(2).mean(red, keepdim=True) + eps)
                     zh = z / rms
-                    E = g.abs() * (E / rms + zh.abs() * (E.amax(-1, keepdim=True) / rms)) \
-                        + (math.sqrt(dim) * tl.HM_LAMBDA + 8) * u * (g.abs() * zh.abs())
+                    E = g.abs() * (E / rms + zh.abs() * (E.amax(red, keepdim=True) / rms)) \
+                        + (math.sqrt(nn_) * tl.HM_LAMBDA + 8) * u * (g.abs() * zh.abs())
                     z = g * zh
                 if nm != "v":
                     z = _rotate(z, ct[:, None], st[:, None], pairing)
@@ -498,7 +509,8 @@ def read_layer(model: Any, info: ModelInfo, L: int, r: AttentionRecord) -> Layer
         layer=L, attention=type(attn).__name__, layout=lname, output=out_name,
         rotary=rot_name if Rr else None, rotary_dim=Rr, pairing=pairing, tables=form,
         amplitude=a,
-        scaling=scaling, softcap=softcap, window=window, qk_norm=qk_norm, norm_eps=eps,
+        scaling=scaling, softcap=softcap, window=window, qk_norm=qk_norm, norm_scope=scope,
+        norm_eps=eps,
         qkv_bias=parts["q"][1] is not None, o_bias=out_lin.bias is not None, sinks=sinks,
         inv_freq=inv)
 
@@ -687,10 +699,13 @@ def layer_head(model: Any, layer: int, n_positions: int, *, dtype: torch.dtype =
     )
     norm_eps = 1e-6
     if conv.qk_norm:
-        gq, _ = _norm_weight(attn.q_norm, d, f"{who}: layer {layer} q_norm")
-        gk, _ = _norm_weight(attn.k_norm, d, f"{who}: layer {layer} k_norm")
-        weights.q_norm = gq[perm].to(device=device, dtype=dtype)
-        weights.k_norm = gk[perm].to(device=device, dtype=dtype)
+        full = conv.norm_scope == "all"
+        gq, _ = _norm_weight(attn.q_norm, H * d if full else d, f"{who}: layer {layer} q_norm")
+        gk, _ = _norm_weight(attn.k_norm, Hk * d if full else d, f"{who}: layer {layer} k_norm")
+        if full:
+            gq, gk = gq.view(H, d), gk.view(Hk, d)
+        weights.q_norm = gq[..., perm].to(device=device, dtype=dtype)
+        weights.k_norm = gk[..., perm].to(device=device, dtype=dtype)
         norm_eps = conv.norm_eps
     freqs = None  # the rotary module's own frequencies (0 on pass-through pairs)
     if conv.rotary_dim == 0 or conv.inv_freq:
@@ -701,6 +716,7 @@ def layer_head(model: Any, layer: int, n_positions: int, *, dtype: torch.dtype =
                       layout="half" if conv.pairing == "half" else "interleaved",
                       cos=cos.to(dtype), sin=sin.to(dtype), freqs=freqs),
         family="qknorm" if conv.qk_norm else "dot", scale=conv.score_scale,
-        softcap=conv.softcap, norm_eps=norm_eps, window=conv.window)
+        softcap=conv.softcap, norm_eps=norm_eps, window=conv.window,
+        norm_scope=conv.norm_scope if conv.qk_norm else "head")
     weights.check(spec, m)
     return spec, weights
