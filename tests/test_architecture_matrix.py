@@ -203,3 +203,18 @@ def test_soft_capped_atlas_says_what_is_not_defined(zoo):
             assert h["step_increases_E_query_space"] is None
             assert h["checks"]["identity_float64"] and h["checks"]["float64_vs_native"]
     assert rep["replication_style_descent"]["pooled"]["heads"] == 0
+
+
+@pytest.mark.parametrize("name", ["phi3", "gpt_neox", "cohere", "mistral", "gemma2", "qwen3",
+                                  "olmo2", "llama_yarn"])
+def test_heads_and_sweep_accept_the_architectures(name, zoo):
+    """``ropestep heads`` (weights) and ``ropestep sweep`` (the identity and the model's own
+    output on captured layers) open what the adapter opens: every layout, rotary fraction,
+    pairing, window, soft-cap and QK-norm scope."""
+    d = archzoo.save(name, zoo / f"hs-{name}")
+    rc, out = _run(["heads", "--model", str(d), "--layers", "all", "--no-figures", "--quiet",
+                    "--out", str(zoo / f"hs-{name}" / "heads")])
+    assert rc == 0 and "Traceback" not in out, out[-3000:]
+    rc, out = _run(["sweep", "--model", str(d), "--contexts", "40", "--layers", "0", "1",
+                    "--out", str(zoo / f"hs-{name}" / "sweep")])
+    assert rc == 0 and "PASS" in out, out[-3000:]
