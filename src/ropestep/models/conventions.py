@@ -492,9 +492,14 @@ def read_layer(model: Any, info: ModelInfo, L: int, r: AttentionRecord) -> Layer
         ref = _eager_reference(r, allowed, scaling, softcap, H // Hk)
         got = r.output[0].to("cpu", F64)
         rel = _rel(got, ref)
-        # eager attention takes its softmax in float32 for every storage dtype wider than it
-        tdt = torch.float32 if mdt in (torch.float32, F64) else mdt
-        tol = tl.agreement_rel_tol(tdt, n, d, 0)
+        # eager attention takes its softmax in float32 for every storage dtype wider than it;
+        # below float32 (bf16/fp16) its scores and probabilities are stored in that dtype
+        if mdt in (torch.float32, F64):
+            tol = tl.agreement_rel_tol(torch.float32, n, d, 0)
+        else:
+            q64, k64 = r.query.to("cpu", F64), r.key.to("cpu", F64)
+            qk = float(q64.norm(dim=-1).max() * k64.norm(dim=-1).max()) * scaling
+            tol = tl.native_rel_tol_lowp(mdt, qk)
         if not rel <= tol:
             raise UnsupportedModelError(
                 f"{who}: layer {L}'s eager output differs from softmax(scaling q k^T"
