@@ -57,7 +57,7 @@ def test_tool_every_named_mutant_resolves(tool):
         if r.count != 1:
             bad[m.name] = f"{r.path}: {r.count} occurrences"
     assert not bad, bad
-    assert 30 <= len(tool.MUTANTS) <= 60
+    assert 30 <= len(tool.MUTANTS) <= 100
     tool.check_list(tool.MUTANTS)
 
 
@@ -86,6 +86,12 @@ def test_tool_stale_and_ambiguous_snippets_are_detected(tool, capsys):
     assert "AMBIGUOUS" in capsys.readouterr().out
     ok = next(m for m in tool.MUTANTS if m.name == "phi1-naive-exp-minus-one")
     assert tool.main(["--list"], mutants=[ok]) == 0
+    # --only selects by name, in the list's order
+    capsys.readouterr()
+    assert tool.main(["--list", "--only", "tokenwise-agreement-mean,phi1-naive-exp-minus-one"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert [line.split()[1] for line in out] == ["phi1-naive-exp-minus-one",
+                                                  "tokenwise-agreement-mean"]
 
 
 def test_tool_bad_input_exits_2(tool, capsys):
@@ -177,6 +183,41 @@ def test_tool_report_renders_without_machine_paths(tool, tmp_path):
     assert "wrong \\| thing" in md and "`kernel.phi1`" in md and "message text" in md
     parts["semantic"]["mutants"][2]["status"] = "killed"
     assert tool.exit_status(parts) == 0
+
+
+def test_tool_a_part_not_rerun_is_carried_over_with_its_own_run(tool, tmp_path):
+    """``--semantic`` alone keeps the previous report's mutmut part, unchanged but for the
+    command, date, commit and versions of the run that computed it (also after a second
+    carry-over), and report.md says so; this run's exit status is its own parts'."""
+    parts = _fake_parts()
+    for p in parts.values():
+        p["summary"] = tool.summarize(p["mutants"])
+    old = tool.build_report(parts, ["--semantic", "--mutmut", "--out", "mutation/"], 0.0, 1)
+    old["date"], old["versions"]["git_commit"] = "2026-11-30T23:30:33+00:00", "1055ac8f"
+    fresh = {"semantic": dict(parts["semantic"])}
+    fresh["semantic"]["mutants"] = [dict(r, status="killed") for r in parts["semantic"]["mutants"]]
+    fresh["semantic"]["summary"] = tool.summarize(fresh["semantic"]["mutants"])
+    assert tool.exit_status(fresh) == 0
+    merged = tool.carry_over(fresh, old)
+    assert merged["semantic"] is fresh["semantic"] and "carried_over" not in merged["semantic"]
+    mm = merged["mutmut"]
+    assert {k: v for k, v in mm.items() if not k.startswith("carried_over")} == parts["mutmut"]
+    co = mm["carried_over"]
+    assert co["command"] == "python tools/mutants.py --semantic --mutmut --out mutation/"
+    assert co["date"] == mm["carried_over_from"] == "2026-11-30T23:30:33+00:00"
+    assert co["git_commit"] == "1055ac8f" and co["versions"]["python"]
+    assert "carried_over" not in parts["mutmut"]  # the previous report is not modified
+    rep = tool.build_report(merged, ["--semantic", "--out", "mutation/"], 0.0, 0)
+    assert rep["summary"]["total"] == 5 and rep["exit_code"] == 0
+    md = tool.render_markdown(rep)
+    assert "| mutmut (carried over) | 2 | 1 | 0 | 1 |" in md and "| semantic | 3 | 3 | 0 |" in md
+    assert ("This section is from an earlier run (carried over unchanged; the command above did "
+            "not rerun it): command `python tools/mutants.py --semantic --mutmut --out mutation/`;"
+            " date 2026-11-30T23:30:33+00:00; git commit 1055ac8f") in md
+    assert "* Part `mutmut` carried over from an earlier run" in md
+    # carried over a second time: still the first run's provenance
+    again = tool.carry_over({"semantic": fresh["semantic"]}, rep)
+    assert again["mutmut"]["carried_over"] == co
 
 
 def test_tool_mutmut_config_and_diffs(tool, tmp_path):

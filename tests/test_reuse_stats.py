@@ -183,6 +183,8 @@ def test_normwise_agreement_and_errors():
     m = np.array([1.0, -2.0, 4.0])
     # m + 2^-40 is exact (|m| <= 4 needs 42 bits), so are the difference, max and / 4
     assert rs.normwise_agreement(m + 2.0 ** -40, m) == 2.0 ** -42
+    # the largest difference, not a typical one: one entry off by 2^-40, the others exact
+    assert rs.normwise_agreement(m + np.array([2.0 ** -40, 0.0, 0.0]), m) == 2.0 ** -42
     assert rs.normwise_agreement(np.zeros(2), np.zeros(2)) == 0.0
     assert rs.mse([1.0, 3.0], [0.0, 0.0]) == 5.0
     assert rs.max_abs([1.0, -3.0], [0.0, 0.0]) == 3.0

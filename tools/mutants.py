@@ -6,7 +6,8 @@ Two parts, one report (``mutation/report.json`` and ``mutation/report.md``):
 * ``--semantic``: the named mutants of :data:`MUTANTS`.  Each is one wrong formula a careful
   author could plausibly write -- ``(name, file under src/ropestep, exact original snippet,
   replacement, what it models, the tests to run)``.  It is applied to a temporary copy of the
-  repository (``src/``, ``tests/``, ``pyproject.toml``; the working tree is never modified), and
+  repository (``src/``, ``tests/``, ``pyproject.toml`` and the committed reports under
+  ``validation/``, which some tests read as data; the working tree is never modified), and
   the mutant's test subset runs against the copy (``PYTHONPATH=<copy>/src``; a probe checks that
   ``ropestep`` is imported from the copy).  Killed = some test failed (the first failing test id
   is recorded); survived = every test passed.  A snippet that is no longer in the source is
@@ -17,6 +18,11 @@ Two parts, one report (``mutation/report.json`` and ``mutation/report.md``):
   Survivors that remain are matched against :data:`EQUIVALENT` (each with its reason); the rest
   are reported as survived.
 
+A command that runs one part keeps the other from the previous ``report.json`` unchanged
+(:func:`carry_over`): it is marked ``carried_over`` with the command, date, source commit and
+versions of the run that computed it, and ``report.md`` says that section comes from that earlier
+run.
+
 Hypothesis: shrinking is switched off inside the copies (``tools/mutants_plugin.py``): a
 mutant needs one failing example, not the smallest one.  Profiles are derandomised, so a run is
 reproducible given the source tree.
@@ -24,7 +30,8 @@ reproducible given the source tree.
 Usage (run it under ``nice``: it is CPU-bound and long; the machine is shared)::
 
     nice -n 19 python tools/mutants.py --semantic --mutmut --out mutation/   # both parts
-    nice -n 19 python tools/mutants.py --semantic                             # ~10 min
+    nice -n 19 python tools/mutants.py --semantic                             # ~12 min
+    nice -n 19 python tools/mutants.py --semantic --only A,B --no-report      # a few, by name
     python tools/mutants.py --list                                            # resolve only
 
 Exit status: 0 when every non-equivalent mutant is killed (or timed out), 1 when one survives or
@@ -56,9 +63,11 @@ TOOLS = Path(__file__).resolve().parent
 PKG = "src/ropestep"
 PLUGIN = "mutants_plugin"  # tools/mutants_plugin.py, loaded with -p inside the copies
 SCHEMA = "ropestep.mutation/1"
-COPY_ITEMS = ("src", "tests", "pyproject.toml")
+COPY_ITEMS = ("src", "tests", "pyproject.toml", "validation")
 IGNORE = shutil.ignore_patterns("__pycache__", "*.pyc", ".hypothesis", ".pytest_cache",
                                 "*.egg-info", "mutants")
+# validation/: the reports' data only (report.json, report.md), not their figures
+IGNORE_ITEM = {"validation": shutil.ignore_patterns("figures", "*.png")}
 STATUSES = ("killed", "survived", "equivalent", "timeout", "stale", "error")
 
 
@@ -82,6 +91,17 @@ T_LOWP = "tests/test_fast_vs_exact.py::test_low_precision_within_derived_bound"
 T_REUSE = "tests/test_reuse_stats.py"
 T_ADAPTER = "tests/models/test_adapter.py"
 T_KILLERS = "tests/test_mutants_tool.py"
+# the reports' statistics: the reference recomputations (one whole-report comparison each, on a
+# tiny seeded model; ~5 s of fixture) and the modules' own tests
+T_REF_ATLAS = "tests/test_reference_atlas.py::test_every_leaf_of_the_tiny_atlas_is_recomputed"
+T_REF_VALIDATE = ("tests/test_reference_validate.py::"
+                  "test_every_leaf_of_the_tiny_validate_report_is_accounted_for")
+T_HEADS = "tests/test_heads.py"
+T_REALCHECKS = "tests/models/test_realchecks.py"
+T_STATS = "tests/test_report_statistics.py"
+T_RC_NO_READOUT = (T_REALCHECKS
+                   + "::test_no_global_readout_bound_recomputed_from_the_models_attention")
+T_RC_PLANTED = T_REALCHECKS + "::test_exact_rows_report_planted_relative_errors"
 
 CORE = (T_MUT, T_F64)
 SCALE_FAST = (T_SCALE + "::test_against_exact_oracle", T_SCALE + "::test_matches_fast_step")
@@ -281,8 +301,8 @@ MUTANTS: tuple[Mutant, ...] = (
            tests=(T_LOWRANK,)),
     # --- streamed path ---------------------------------------------------------------------------
     Mutant("scale-causal-mask-strict", "scale.py",
-           "return pos[None, :n] <= pos[qi][:, None]",
-           "return pos[None, :n] < pos[qi][:, None]",
+           "m = pos[None, :n] <= pos[qi][:, None]",
+           "m = pos[None, :n] < pos[qi][:, None]",
            "streamed path: causal mask j < i (a query does not read its own key)",
            tests=SCALE_FAST),
     Mutant("nan-dropped-by-builtin-max", "scale.py",
@@ -331,20 +351,225 @@ MUTANTS: tuple[Mutant, ...] = (
            "pass",
            "frozen/constant predictors scored on the anchor itself (its zero error included)",
            tests=(T_REUSE,)),
+    # --- the reports' statistics (issue 18): reuse_stats, atlas, protocol, realchecks, heads,
+    # report -- each a number of report.json / report.md computed the wrong way -------------------
+    Mutant("reuse-shared-predictor-over-q", "reuse_stats.py",
+           "return (sq.sum() - sq) / ((Q - 1) * D)",
+           "return (sq.sum() - sq) / (Q * D)",
+           "anchor-independent predictors (cache mean, linearised softmax, zero/target RMS): the "
+           "Q - 1 non-anchor errors divided by Q D instead of (Q - 1) D (a different denominator)",
+           tests=(T_REUSE, T_REF_VALIDATE)),
+    Mutant("calib-tv-without-half", "reuse_stats.py",
+           "return 0.5 * np.abs(x - x[..., anchor:anchor + 1, :]).sum(-1)",
+           "return np.abs(x - x[..., anchor:anchor + 1, :]).sum(-1)",
+           "calibration's total-variation distance as the L1 distance sum_j |p_ij - p_0j| "
+           "(the 1/2 dropped: TV summaries and bin edges doubled)",
+           tests=(T_REUSE, T_REF_VALIDATE)),
+    Mutant("calib-bin-median-is-mean", "reuse_stats.py",
+           "\"median\": float(np.median(b[sel]))",
+           "\"median\": float(np.mean(b[sel]))",
+           "calibration quantile bins: the mean relative error of a bin reported as its median",
+           tests=(T_REUSE, T_REF_VALIDATE)),
+    Mutant("calib-bin-index-off-by-one", "reuse_stats.py",
+           "idx = np.clip(np.searchsorted(edges, a, side=\"right\") - 1, 0, n_bins - 1)",
+           "idx = np.clip(np.searchsorted(edges, a, side=\"right\"), 0, n_bins - 1)",
+           "calibration quantile bins: every value placed one bin up (bin k holds the values of "
+           "[q_(k-1), q_k); the first bin empty, the last two merged)",
+           tests=(T_REUSE, T_REF_VALIDATE)),
+    Mutant("spearman-ties-not-averaged", "reuse_stats.py",
+           "return (sums / counts)[inv]",
+           "return ranks",
+           "Spearman's ranks: tied values get ordinal ranks (first come first) instead of their "
+           "average rank (the pooled input distance repeats each value once per head)",
+           tests=(T_REUSE, T_REF_VALIDATE)),
+    Mutant("tokenwise-agreement-mean", "reuse_stats.py",
+           "num = float(np.abs(p - m).max()) if m.size else 0.0",
+           "num = float(np.abs(p - m).mean()) if m.size else 0.0",
+           "tokenwise formula vs measured reuse error: the mean absolute difference over the max "
+           "|measured| instead of the max (a normwise relative error that hides the worst entry)",
+           tests=(T_REUSE, T_REF_VALIDATE)),
+    Mutant("atlas-rrmse-mean-of-ratios", "atlas.py",
+           "float(math.sqrt(fr[sel].sum() / co[sel].sum()))",
+           "float(math.sqrt(np.mean(fr[sel] / co[sel])))",
+           "atlas frozen-reuse rRMSE vs the constant anchor: root of the mean of per-query ratios "
+           "instead of the ratio of the pooled sums (ratios taken before pooling)",
+           tests=(T_REF_ATLAS,)),
+    Mutant("atlas-relative-error-squared", "atlas.py",
+           "rel_err = np.sqrt(fr[sel]) / np.sqrt(np.maximum(me[sel], 1e-300))",
+           "rel_err = fr[sel] / np.maximum(me[sel], 1e-300)",
+           "atlas relative reuse error |y - y_fr|^2 / |y - mu|^2 (squared norms: the median and "
+           "the TV-quartile medians squared; the rank correlation unchanged)",
+           tests=(T_REF_ATLAS,)),
+    Mutant("atlas-tv-bin-excludes-lower-edge", "atlas.py",
+           "sel = (tv >= lo) & (tv <= hi)",
+           "sel = (tv > lo) & (tv <= hi)",
+           "atlas TV-quartile bins half-open at the bottom: the query at the minimum TV falls out "
+           "of the first bin (off-by-one count)",
+           tests=(T_REF_ATLAS,)),
+    Mutant("atlas-spearman-uncentred-ranks", "atlas.py",
+           "    ra -= ra.mean()\n    rb -= rb.mean()\n",
+           "",
+           "atlas Spearman correlation of the relative error with TV from uncentred ranks (a "
+           "cosine of rank vectors, always positive)",
+           tests=(T_REF_ATLAS,)),
+    Mutant("atlas-native-rel-over-value-scale", "atlas.py",
+           "nat_rel = max(float(np.max(r.arrays[\"native_abs\"][h])) / r.native_scale[h]",
+           "nat_rel = max(float(np.max(r.arrays[\"native_abs\"][h])) / r.value_scale[h]",
+           "atlas float64-vs-native relative error divided by the value scale max|v_j| instead of "
+           "the model output's scale max|native| (a different denominator)",
+           tests=(T_REF_ATLAS,)),
+    Mutant("atlas-render-median-column-mean", "atlas.py",
+           "return num(float(np.max(x) if how == \"max\" else np.median(x)))",
+           "return num(float(np.max(x) if how == \"max\" else np.mean(x)))",
+           "atlas report.md per-layer table: the 'median over heads' columns (kappa, sink, "
+           "lambda_max, E up, reuse rRMSE) printed as means",
+           tests=(T_STATS,)),
+    Mutant("protocol-recon-mse-max-over-contexts", "protocol.py",
+           "out[part] = {\"mse\": _mean([r[part][\"mse\"] for r in sel]),",
+           "out[part] = {\"mse\": worst(r[part][\"mse\"] for r in sel),",
+           "validate reconstruction per head/combined: the MSE pooled as the max over contexts "
+           "instead of the mean",
+           tests=(T_REF_VALIDATE,)),
+    Mutant("protocol-fast-kappa-median-of-maxima", "protocol.py",
+           "ent[\"kappa\"] = {\"median\": float(np.median([k[\"median\"] for k in ks])),",
+           "ent[\"kappa\"] = {\"median\": float(np.median([k[\"max\"] for k in ks])),",
+           "validate fast path: the kappa 'median' pooled from the contexts' maxima instead of "
+           "their medians",
+           tests=(T_REF_VALIDATE,)),
+    Mutant("protocol-frac-lambda-above-one", "protocol.py",
+           "\"frac_lam_gt_2\": float((lam[h] > 2).mean()),",
+           "\"frac_lam_gt_2\": float((lam[h] > 1).mean()),",
+           "validate descent: the fraction of rows with lambda_max > 2 (the unit step's descent "
+           "threshold) counted against 1",
+           tests=(T_REF_VALIDATE,)),
+    Mutant("protocol-gain-fit-includes-anchor", "protocol.py",
+           "gain = {\"r\": _f64(y - mu)[:, 1:], \"g\": _f64(g)[:, 1:],",
+           "gain = {\"r\": _f64(y - mu), \"g\": _f64(g),",
+           "calibration gain gamma (per head) fitted over every query, the anchor i = 0 "
+           "included (where the frozen matrix is exact), instead of i != 0",
+           tests=(T_REF_VALIDATE,)),
+    Mutant("protocol-combined-rrmse-vs-cache-mean", "protocol.py",
+           "const0 = reuse[\"combined\"][\"predictors\"][\"constant\"][\"mse\"][\"anchor0\"]",
+           "const0 = reuse[\"combined\"][\"predictors\"][\"mean\"][\"mse\"][\"anchor0\"]",
+           "calibration combined rRMSE at gamma = 1 and at the best gamma against the cache mean "
+           "instead of the constant anchor output (a different baseline)",
+           tests=(T_REF_VALIDATE,)),
+    Mutant("protocol-real-checks-reductions-swapped", "protocol.py",
+           "agg[f] = (least(vals) if f.startswith((\"min\", \"lower\")) or f.endswith(\"_min\")\n"
+           "                      else worst(vals))",
+           "agg[f] = (worst(vals) if f.startswith((\"min\", \"lower\")) or f.endswith(\"_min\")\n"
+           "                      else least(vals))",
+           "validate real-head claims pooled over contexts with the best value instead of the "
+           "worst (the max of the min_c / lower bounds, the min of the errors and ratios)",
+           tests=(T_STATS,)),
+    Mutant("realchecks-rank-ratio-sigma-d", "realchecks.py",
+           "after = float(sv[d] / sv[0]) if sv.numel() > d and smax > 0 else 0.0",
+           "after = float(sv[d - 1] / sv[0]) if sv.numel() > d and smax > 0 else 0.0",
+           "rank check's spectral summary sigma_d / sigma_1 instead of sigma_(d+1) / sigma_1 "
+           "(off by one: the last singular value allowed, not the first that must vanish)",
+           tests=(T_REALCHECKS + "::test_delta_m_rank_spectral_summary_where_d_binds",)),
+    Mutant("realchecks-no-readout-bound-factor", "realchecks.py",
+           "lower = torch.linalg.vector_norm(gap, dim=-1) / 2",
+           "lower = torch.linalg.vector_norm(gap, dim=-1)",
+           "certified lower bound on any common affine readout without the 1/2 of its "
+           "three-point derivation (max(|e_a|, |e_b|, |e_c|) >= |y_c - (y_a + y_b)/2| / 2)",
+           tests=(T_RC_NO_READOUT,)),
+    Mutant("realchecks-exact-c-rel-absolute", "realchecks.py",
+           "c_rel = float((np.abs(cf - ce) / np.maximum(np.abs(ce), tl.SCALE_GUARD)).max())",
+           "c_rel = float(np.abs(cf - ce).max())",
+           "exact rows: the coefficients' error against the oracle reported absolute instead of "
+           "relative to c_exact (c << 1: the error looks smaller)",
+           tests=(T_RC_PLANTED,)),
+    Mutant("realchecks-exact-y-rel-over-output", "realchecks.py",
+           "y_rel = float(np.abs(st.y[h, q].numpy() - reference.y[h, i]).max() / S)",
+           "y_rel = float(np.abs(st.y[h, q].numpy() - reference.y[h, i]).max()\n"
+           "                      / max(float(np.abs(reference.y[h, i]).max()), tl.SCALE_GUARD))",
+           "exact rows: y's error relative to max|y_exact| instead of the value scale max_j "
+           "|v_j| the tolerance is stated against (a different denominator)",
+           tests=(T_RC_PLANTED,)),
+    Mutant("realchecks-conventions-k-max-reads-q", "realchecks.py",
+           "\"k_rel_max\": worst(r_[\"k_rel\"] for r_ in heads),",
+           "\"k_rel_max\": worst(r_[\"q_rel\"] for r_ in heads),",
+           "conventions check: the reported worst key error taken from the queries' errors "
+           "(copy-paste)",
+           tests=(T_REALCHECKS + "::test_wrong_gqa_map_caught",)),
+    Mutant("heads-summary-median-is-mean", "heads.py",
+           "return {\"median\": float(np.median(a)), \"min\": float(np.min(a)), "
+           "\"max\": float(np.max(a)),",
+           "return {\"median\": float(np.mean(a)), \"min\": float(np.min(a)), "
+           "\"max\": float(np.max(a)),",
+           "heads summary (cond, effective rank, barycenter over heads): the mean reported as the "
+           "median",
+           tests=(T_HEADS, T_STATS)),
+    Mutant("heads-effective-rank-energy-weights", "heads.py",
+           "p = sv[sv > 0] / total",
+           "p = sv[sv > 0] ** 2 / float((sv * sv).sum())",
+           "effective rank from the energy distribution sigma_k^2 / sum sigma^2 instead of Roy & "
+           "Vetterli's sigma_k / sum sigma",
+           tests=(T_HEADS, T_STATS)),
+    Mutant("heads-coarse-band-mean", "heads.py",
+           "return [float(b.sum()) for b in np.array_split(f, n)]",
+           "return [float(b.mean()) for b in np.array_split(f, n)]",
+           "coarse band energy: the mean pair fraction of each quarter instead of its sum (the "
+           "four bands no longer add up to 1)",
+           tests=(T_HEADS, T_STATS)),
+    Mutant("heads-sketch-index-off-by-one", "heads.py",
+           "idx = torch.linspace(0, 1, steps=imp.numel(), dtype=torch.float64)",
+           "idx = torch.arange(imp.numel(), dtype=torch.float64) / imp.numel()",
+           "the document's sketch barycenter with rows at k / 2d instead of linspace(0, 1, 2d) = "
+           "k / (2d - 1) (off by one in the denominator)",
+           tests=(T_HEADS, T_STATS)),
+    Mutant("heads-fraction-barycenter-wrong-side", "heads.py",
+           "\"fraction_barycenter_below_half\": float(np.mean(np.asarray(t) < 0.5)) if t else "
+           "math.nan,",
+           "\"fraction_barycenter_below_half\": float(np.mean(np.asarray(t) > 0.5)) if t else "
+           "math.nan,",
+           "heads summary: the fraction of heads with barycenter above 1/2 (slow pairs) reported "
+           "as the fraction below",
+           tests=(T_HEADS, T_STATS)),
+    Mutant("report-fmt6-five-decimals", "report.py",
+           "return f\"{v:.6f}\" if abs(v) >= 1e-4 else f\"{v:.3e}\"",
+           "return f\"{v:.5f}\" if abs(v) >= 1e-4 else f\"{v:.3e}\"",
+           "validate report.md: pooled MSEs of the frozen-reuse table printed with 5 decimals "
+           "instead of the paper's 6",
+           tests=(T_STATS,)),
+    Mutant("report-fmt-digits-below-one", "report.py",
+           "return f\"{v:.{digits + 1}g}\" if abs(v) < 1 else f\"{v:.{digits}g}\"",
+           "return f\"{v:.{digits}g}\" if abs(v) < 1 else f\"{v:.{digits}g}\"",
+           "validate report.md: numbers in [1e-3, 1) (rRMSEs, fractions, correlations) printed "
+           "with 3 significant digits instead of 4",
+           tests=(T_STATS,)),
+    Mutant("report-worst-head-is-best-head", "report.py",
+           "wh = worst((h[\"vs_float64\"][\"max_abs\"] for h in ent[\"heads\"]), default=None)",
+           "wh = min((h[\"vs_float64\"][\"max_abs\"] for h in ent[\"heads\"]), default=None)",
+           "validate report.md fast-path table: the 'worst head vs float64 max' column shows the "
+           "best head's error",
+           tests=(T_STATS,)),
+    Mutant("report-reuse-all-column-anchor0", "report.py",
+           "fmt(pr[\"rrmse\"][\"anchor0\"]), fmt(pr[\"rrmse\"][\"all\"])]",
+           "fmt(pr[\"rrmse\"][\"anchor0\"]), fmt(pr[\"rrmse\"][\"anchor0\"])]",
+           "validate report.md frozen-reuse table: the 'rRMSE (all)' column repeats the anchor-0 "
+           "rRMSE (copy-paste)",
+           tests=(T_STATS,)),
+    Mutant("report-bins-p90-shows-median", "report.py",
+           "fmt(b[\"p90\"])]",
+           "fmt(b[\"median\"])]",
+           "validate report.md calibration bins: the '90th pct' column prints the bin's median",
+           tests=(T_STATS,)),
     # --- the model adapter ------------------------------------------------------------------------
-    Mutant("adapter-weight-not-transposed", "models.py",
-           "wt = lin.weight.detach().T.reshape(m, heads, d)",
-           "wt = lin.weight.detach().reshape(m, heads, d)",
+    Mutant("adapter-weight-not-transposed", "models/conventions.py",
+           "wt = part[0].detach().T.reshape(m, heads, d)",
+           "wt = part[0].detach().reshape(m, heads, d)",
            "nn.Linear weight (out, in) reshaped without the transpose to (m, heads, d)",
            tests=(T_ADAPTER + "::test_math_layout_matches_linear_layers[tiny_qwen2]",)),
-    Mutant("adapter-tables-shifted", "models.py",
-           "pos = torch.arange(n_positions, device=p.device)[None]",
-           "pos = torch.arange(1, n_positions + 1, device=p.device)[None]",
+    Mutant("adapter-tables-shifted", "models/conventions.py",
+           "c, s = _table_call(model, torch.arange(n_positions), like, name, lt)",
+           "c, s = _table_call(model, torch.arange(1, n_positions + 1), like, name, lt)",
            "the model's RoPE tables read one position late",
            tests=(T_ADAPTER + "::test_rope_tables_are_the_models_own[tiny_qwen2]",)),
-    Mutant("adapter-layout-interleaved", "models.py",
-           "rope=RoPESpec(base=info.rope_theta, layout=\"half\",",
-           "rope=RoPESpec(base=info.rope_theta, layout=\"interleaved\",",
+    Mutant("adapter-layout-interleaved", "models/conventions.py",
+           "layout=\"half\" if conv.pairing == \"half\" else \"interleaved\",",
+           "layout=\"interleaved\",",
            "Hugging Face rotate_half model described with interleaved RoPE pairs",
            tests=(T_KILLERS + "::test_kills_adapter_layout_and_tables",)),
     # --- equivalent by design (kept to show the tool reports them, each with its reason) ----------
@@ -526,12 +751,12 @@ EQUIVALENT: tuple[Equivalence, ...] = (
 # copies and subprocesses
 # ---------------------------------------------------------------------------------------------
 def make_copy(dest: Path, repo: Path = REPO) -> Path:
-    """Copy ``src/``, ``tests/`` and ``pyproject.toml`` of ``repo`` into ``dest`` (no caches)."""
+    """Copy :data:`COPY_ITEMS` of ``repo`` into ``dest`` (no caches, no figures)."""
     dest.mkdir(parents=True, exist_ok=True)
     for item in COPY_ITEMS:
         src = repo / item
         if src.is_dir():
-            shutil.copytree(src, dest / item, ignore=IGNORE)
+            shutil.copytree(src, dest / item, ignore=IGNORE_ITEM.get(item, IGNORE))
         elif src.is_file():
             shutil.copy2(src, dest / item)
         else:
@@ -1019,11 +1244,43 @@ def scrub(obj: Any, secrets: Sequence[str]) -> Any:
     return obj
 
 
-def build_report(parts: dict, argv: Sequence[str], started: float, exit_code: int) -> dict:
+def carry_over(parts: dict, old: dict) -> dict:
+    """``parts`` (this run's) plus every part of the previous report ``old`` that this run did
+    not produce, unchanged but for ``carried_over``: the command, date, source commit, versions
+    and hardware of the run that computed it (kept from the first run when a part is carried
+    over again) and ``carried_over_from`` (its date).  This run's exit status covers its own
+    parts only (:func:`exit_status` runs before the merge)."""
+    out = dict(parts)
+    ver = old.get("versions") or {}
+    for name, part in (old.get("parts") or {}).items():
+        if name in out:
+            continue
+        part = dict(part)
+        if "carried_over" not in part:
+            if "carried_over_from" in part:  # carried over by an older tool: only its date known
+                part["carried_over"] = {"date": part["carried_over_from"], "command": None,
+                                        "git_commit": None, "git_dirty_src_or_tests": None,
+                                        "versions": None, "hardware": None}
+            else:
+                part["carried_over"] = {
+                    "date": old.get("date"), "command": old.get("command"),
+                    "git_commit": ver.get("git_commit"),
+                    "git_dirty_src_or_tests": ver.get("git_dirty_src_or_tests"),
+                    "versions": {k: v for k, v in ver.items() if not k.startswith("git")},
+                    "hardware": old.get("hardware")}
+        part.setdefault("carried_over_from", part["carried_over"]["date"])
+        out[name] = part
+    return out
+
+
+def build_report(parts: dict, argv: Sequence[str], started: float, exit_code: int,
+                 vers: dict | None = None) -> dict:
+    """The report; ``vers``: :func:`versions` taken when the run copied the source (default:
+    now)."""
     rows = [r for p in parts.values() for r in p["mutants"]]
     return {"schema": SCHEMA, "tool": "tools/mutants.py", "command": relative_command(argv),
             "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            "versions": versions(), "hardware": hardware(),
+            "versions": vers if vers is not None else versions(), "hardware": hardware(),
             "seeds": {"hypothesis": "derandomized profiles (fixed seed per test); "
                                     "shrinking off (tools/mutants_plugin.py)",
                       "PYTHONHASHSEED": 0},
@@ -1061,6 +1318,18 @@ def short_change(description: str, ctx: int = 24) -> str:
     return f"{_code(pre + old + suf, 200)} → {_code(pre + new + suf, 200)}"
 
 
+def _provenance(co: dict) -> str:
+    """The run a carried-over part comes from, in one line."""
+    out = [f"command `{co.get('command') or 'unknown'}`", f"date {co.get('date') or 'unknown'}",
+           f"git commit {co.get('git_commit') or 'unknown'}"
+           + (" plus uncommitted changes in src/ or tests/"
+              if co.get("git_dirty_src_or_tests") else "")]
+    ver = co.get("versions") or {}
+    if ver:
+        out.append("versions " + ", ".join(f"{k} {v}" for k, v in ver.items() if v is not None))
+    return "; ".join(out) + "."
+
+
 def render_markdown(rep: dict) -> str:
     L = ["# Mutation testing report", "",
          "Generated by `tools/mutants.py` -- do not edit by hand; rerun the command.", "",
@@ -1072,20 +1341,30 @@ def render_markdown(rep: dict) -> str:
          + (" plus uncommitted changes in src/ or tests/"
             if rep["versions"].get("git_dirty_src_or_tests") else ""),
          f"* Hardware: {rep['hardware']['cpu']} ({rep['hardware']['cpu_count']} cores), no GPU",
-         f"* Seeds: {rep['seeds']['hypothesis']}", "",
-         "Kill rate = killed / (total - equivalent).  A timeout counts as detected but not as "
-         "killed.", "",
-         "| part | total | killed | survived | equivalent | timeout | stale | error | kill rate |",
-         "|---|---|---|---|---|---|---|---|---|"]
+         f"* Seeds: {rep['seeds']['hypothesis']}"]
+    for name, part in rep["parts"].items():
+        co = part.get("carried_over")
+        if co:
+            L.append(f"* Part `{name}` carried over from an earlier run, not rerun by the "
+                     f"command above: {_provenance(co)}")
+    L += ["", "Kill rate = killed / (total - equivalent).  A timeout counts as detected but not "
+          "as killed.", "",
+          "| part | total | killed | survived | equivalent | timeout | stale | error | kill rate |",
+          "|---|---|---|---|---|---|---|---|---|"]
     for name, part in list(rep["parts"].items()) + [("all", {"summary": rep["summary"]})]:
         s = part["summary"]
         kr = "n/a" if s["kill_rate"] is None else f"{100 * s['kill_rate']:.1f}%"
+        if part.get("carried_over"):
+            name = f"{name} (carried over)"
         L.append(f"| {name} | {s['total']} | {s['killed']} | {s['survived']} | "
                  f"{s['equivalent']} | {s['timeout']} | {s['stale']} | {s['error']} | {kr} |")
     sem = rep["parts"].get("semantic")
     if sem:
-        L += ["", "## Named semantic mutants", "",
-              f"Hypothesis profile `{sem['hypothesis_profile']}`, per-mutant timeout "
+        L += ["", "## Named semantic mutants", ""]
+        if sem.get("carried_over"):
+            L += [f"This section is from an earlier run (carried over unchanged; the command "
+                  f"above did not rerun it): {_provenance(sem['carried_over'])}", ""]
+        L += [f"Hypothesis profile `{sem['hypothesis_profile']}`, per-mutant timeout "
               f"{sem['per_mutant_timeout_s']:.0f} s, runtime {sem['runtime_s'] / 60:.1f} min; "
               f"`ropestep` imported from {sem['imported_from']}.", "",
               "| id | mutant | where | what it models | status | killed by | s |",
@@ -1106,8 +1385,11 @@ def render_markdown(rep: dict) -> str:
     mm = rep["parts"].get("mutmut")
     if mm:
         cfg = mm["config"]
-        L += ["", "## mutmut", "",
-              f"Files: {', '.join('`' + f + '`' for f in cfg.get('only_mutate', []))}.  Test "
+        L += ["", "## mutmut", ""]
+        if mm.get("carried_over"):
+            L += [f"This section is from an earlier run (carried over unchanged; the command "
+                  f"above did not rerun it): {_provenance(mm['carried_over'])}", ""]
+        L += [f"Files: {', '.join('`' + f + '`' for f in cfg.get('only_mutate', []))}.  Test "
               f"selection: `{' '.join(cfg.get('pytest_add_cli_args_test_selection', []))}`; "
               f"mutmut runs, per mutant, the selected tests that call the mutated function.  "
               f"First pass with hypothesis profile `{mm['hypothesis_profile']}`"
@@ -1244,6 +1526,8 @@ def main(argv: Sequence[str] | None = None, mutants: Sequence[Mutant] = MUTANTS)
         out = out if out.is_absolute() else Path.cwd() / out
         work = Path(tempfile.mkdtemp(prefix="ropestep-mutants-"))
         parts: dict = {}
+        # the source state the copies are taken from (the working tree may move during a run)
+        vers = versions()
         log_path = work / "run.log"
         try:
             with open(log_path, "w", encoding="utf-8") as log:
@@ -1269,18 +1553,14 @@ def main(argv: Sequence[str] | None = None, mutants: Sequence[Mutant] = MUTANTS)
             else:
                 shutil.rmtree(work, ignore_errors=True)
         code = exit_status(parts)
-        # parts not run now are carried over from the previous report (marked as such)
+        # parts not run now are carried over from the previous report, each with its own run
         prev = out / "report.json"
         if prev.is_file() and not a.no_report:
             try:
-                old = json.loads(prev.read_text(encoding="utf-8"))
-                for name, part in old.get("parts", {}).items():
-                    if name not in parts:
-                        part.setdefault("carried_over_from", old.get("date"))
-                        parts[name] = part
+                parts = carry_over(parts, json.loads(prev.read_text(encoding="utf-8")))
             except (OSError, ValueError):
                 pass
-        rep = scrub(build_report(parts, argv, started, code),
+        rep = scrub(build_report(parts, argv, started, code, vers),
                     [str(work), os.path.realpath(work), str(REPO), tempfile.gettempdir()])
         if not a.no_report:
             write_report(rep, out)

@@ -199,6 +199,31 @@ def test_delta_m_rank(tiny):
     assert r["sigma_ratio_after_d"] < r["threshold_ratio"] < tl.FLOAT64_REL
 
 
+def test_delta_m_rank_spectral_summary_where_d_binds(tiny_qwen2):
+    """A row with more keys than ``d + 1`` (96 tokens, query 95: the bound is ``d = 64``, not
+    ``N_i - 1``): the rank is ``d``, ``sigma_max`` is the product's largest singular value and
+    ``sigma_ratio_after_d`` is ``sigma_(d+1) / sigma_1``, below the rank threshold -- while
+    ``sigma_d / sigma_1`` (recomputed here: numpy's SVD of ``Delta M_i W_o,h``, with ``W_o,h``
+    read from the model's own ``o_proj`` rows) lies far above it."""
+    model, n, h = tiny_qwen2.model, 96, 3
+    cap = models.capture(model, tiny_qwen2.ids[:n], [LAYER])[LAYER]
+    spec, w = models.layer_head(model, LAYER, n)
+    res = rc.delta_m_rank(spec, w, cap.x, cap.positions, [(h, n - 1)])
+    row = res["rows"][0]
+    d = spec.head_dim
+    st = fast.step(spec, w, cap.x[n - 1:], cap.positions[n - 1:], cap.x, cap.positions,
+                   mask="causal", dtype=torch.float64, delta_m=True, keep=())
+    o = model.model.layers[LAYER].self_attn.o_proj.weight.detach().double().numpy()  # (D, H d)
+    prod = st.delta_m[h, 0].numpy() @ o[:, h * d:(h + 1) * d].T
+    sv = np.linalg.svd(prod, compute_uv=False)
+    print("rank", row["rank"], "after d", row["sigma_ratio_after_d"], "threshold",
+          row["threshold_ratio"], "sigma_d / sigma_1", sv[d - 1] / sv[0])
+    assert row["keys"] == n and row["bound"] == d and row["rank"] == d
+    assert abs(row["sigma_max"] - sv[0]) <= tl.FLOAT64_REL * sv[0]
+    assert row["sigma_ratio_after_d"] < row["threshold_ratio"] < tl.FLOAT64_REL
+    assert sv[d - 1] / sv[0] > 1e3 * row["threshold_ratio"]
+
+
 def test_no_global_readout(tiny):
     Q = tiny["xq"].shape[0]
     res = rc.no_global_readout(tiny["spec"], tiny["w"], tiny["xq"], torch.full((Q,), N_CTX - 1),
