@@ -18,9 +18,12 @@ functions, so ``import ropestep`` stays light).  One concern per file:
   :func:`capture_block`: the head inputs, per-head outputs and output projections of chosen
   layers, with a guard that every hook fired.
 
+* :mod:`~ropestep.models.attention` -- one layer's attention module run on given inputs and
+  positions, and the layer's rotation, for the checks of :mod:`ropestep.realchecks`.
+
 What the exact layer does not model is refused with one :class:`UnsupportedModelError` line.
-Imports inside the package run errors -> structure -> probe / layouts -> conventions ->
-loading -> capture.
+Imports inside the package run one way, errors -> structure -> probe / layouts -> conventions
+-> loading / attention -> capture (an import-linter layers contract in pyproject.toml).
 """
 from __future__ import annotations
 
