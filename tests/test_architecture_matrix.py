@@ -218,3 +218,25 @@ def test_heads_and_sweep_accept_the_architectures(name, zoo):
     rc, out = _run(["sweep", "--model", str(d), "--contexts", "40", "--layers", "0", "1",
                     "--out", str(zoo / f"hs-{name}" / "sweep")])
     assert rc == 0 and "PASS" in out, out[-3000:]
+
+
+@pytest.mark.parametrize("name", ["llama3", "llama_linear", "qwen2_yarn"])
+def test_a_wrong_rope_type_fails_validate(name, zoo, monkeypatch):
+    """The RoPE tables read as the unscaled ``base^(-2l/d)`` ones (the rope type ignored) while
+    everything else is read right: the run fails on the model's own outputs."""
+    from ropestep.models import conventions as conv_mod
+
+    d = archzoo.save(name, zoo / f"wrong-rope-{name}")
+    real = conv_mod.rope_tables
+
+    def default_tables(model, n_positions, layer=0, *, info=None):
+        c, s = real(model, n_positions, layer, info=info)
+        hd = c.shape[-1] * 2
+        theta = float(model.config.rope_parameters["rope_theta"])
+        inv = theta ** (-torch.arange(0, hd, 2, dtype=torch.float64) / hd)
+        ang = torch.arange(n_positions, dtype=torch.float64)[:, None] * inv[None]
+        return ang.cos().to(c.dtype), ang.sin().to(s.dtype)
+
+    monkeypatch.setattr(conv_mod, "rope_tables", default_tables)
+    text = _validate_fails(d, zoo / f"wrong-rope-{name}" / "validate")
+    assert "FAIL" in text or ": error: " in text
