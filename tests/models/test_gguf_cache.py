@@ -68,3 +68,22 @@ def test_cache_can_be_switched_off(monkeypatch, tmp_path):
     monkeypatch.setenv("ROPESTEP_GGUF_CACHE", "0")
     assert models.gguf_cache_root() is None
     assert models.gguf_cache_dir(models.locate_smollm2_gguf(), torch.float32) is None
+
+
+def test_a_cache_written_without_the_tokenizer_still_gives_the_ggufs_tokenizer(monkeypatch,
+                                                                               tmp_path):
+    """A first load with ``tokenizer=False`` caches the weights only; a later load that asks for
+    the tokenizer must get the GGUF's own (it used to get an empty one from the cache directory,
+    which tokenised every text to no tokens), and the cache then keeps it."""
+    monkeypatch.setenv("ROPESTEP_CACHE", str(tmp_path))
+    gguf = models.locate_smollm2_gguf()
+    models.load_model(gguf, tokenizer=False)
+    (cache,) = list((tmp_path / "gguf").iterdir())
+    assert not (cache / "tokenizer_config.json").exists()
+    _, tok = models.load_model(gguf)
+    monkeypatch.setenv("ROPESTEP_GGUF_CACHE", "0")
+    _, ref = models.load_model(gguf)  # straight from the GGUF
+    text = "def f(x):\n    return x + 1\n"
+    assert len(ref(text)["input_ids"]) > 5
+    assert tok(text)["input_ids"] == ref(text)["input_ids"]
+    assert (cache / "tokenizer_config.json").is_file()

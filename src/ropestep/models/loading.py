@@ -138,7 +138,15 @@ def load_model(source: str | os.PathLike, *, revision: str | None = None,
             # the de-quantised weights of this very file (same sha256, same transformers)
             ckw = {k: v for k, v in mkw.items() if k != "gguf_file"}
             model = AutoModelForCausalLM.from_pretrained(str(cached), **ckw)
-            tok = AutoTokenizer.from_pretrained(str(cached)) if tokenizer else None
+            tok = None
+            if tokenizer and (cached / "tokenizer_config.json").is_file():
+                tok = AutoTokenizer.from_pretrained(str(cached))
+            elif tokenizer:  # cached by a load without its tokenizer: the GGUF's own, kept
+                tok = AutoTokenizer.from_pretrained(name, **kw)
+                try:
+                    tok.save_pretrained(cached)
+                except OSError:  # a read-only cache is an optimisation lost, never fatal
+                    pass
         else:
             model = AutoModelForCausalLM.from_pretrained(name, **mkw)
             tok = AutoTokenizer.from_pretrained(name, **kw) if tokenizer else None
