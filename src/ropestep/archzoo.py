@@ -33,8 +33,9 @@ Embeddings, MLPs and experts keep transformers' initialisation.  Everything is s
 :func:`save` writes a built model and a 256-token byte-level tokenizer into a directory that
 ``AutoModelForCausalLM.from_pretrained``/``AutoTokenizer.from_pretrained`` open offline.
 
-Only torch, transformers (and tokenizers, which transformers requires), imported inside the
-functions, and the standard library are used.
+Torch and transformers (and tokenizers, which transformers requires) are imported inside the
+functions; the decoder layers and attention modules are found as the adapter finds them
+(:mod:`ropestep.models.structure`).
 """
 from __future__ import annotations
 
@@ -43,6 +44,8 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from .models.structure import attention_module, layer_modules
 
 VOCAB = 256  # one token per byte (see `save`)
 HIDDEN, HEAD_DIM, HEADS, KV_HEADS = 128, 32, 4, 2
@@ -221,25 +224,6 @@ ARCHITECTURES: dict[str, Arch] = {
 NOT_BUILDABLE: dict[str, str] = {}
 
 
-def decoder_layers(model: Any) -> list:
-    """The decoder layers of a ``*ForCausalLM`` (``model.model.layers``,
-    ``model.gpt_neox.layers``, ...)."""
-    base = model.base_model
-    layers = getattr(base, "layers", None)
-    if layers is None:
-        raise TypeError(f"{type(model).__name__}: no decoder layers found on its base model")
-    return list(layers)
-
-
-def attention_module(layer: Any) -> Any:
-    """The attention module of one decoder layer: its child whose class name ends in
-    ``Attention``."""
-    found = [m for _, m in layer.named_children() if type(m).__name__.endswith("Attention")]
-    if len(found) != 1:
-        raise TypeError(f"{type(layer).__name__}: {len(found)} children named *Attention")
-    return found[0]
-
-
 def _head_dim(attn: Any, config: Any) -> int:
     for name in ("head_dim", "head_size"):
         value = getattr(attn, name, None)
@@ -320,7 +304,8 @@ def build(name: str, seed: int = 0, dtype: Any = None) -> Any:
     model.eval()
     g = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
-        attns = [attention_module(layer) for layer in decoder_layers(model)]
+        who = name
+        attns = [attention_module(layer, who, L) for L, layer in enumerate(layer_modules(model))]
         inside = {id(m) for a in attns for m in a.modules()}
         for _, mod in model.named_modules():
             if is_norm(mod) and id(mod) not in inside:
