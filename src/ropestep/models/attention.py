@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from .conventions import (LayerConventions, ModelInfo, _layout_tables, _partner, _per_pair,
-                          _perm, _rotate, _table_call, check_layer_index, describe_model)
+                          _perm, _rotate, check_layer_index, describe_model, layer_tables)
 from .layouts import candidates as layout_candidates
 from .probe import AttentionRecord, recording
 from .structure import attention_module, layer_modules, output_projection
@@ -33,21 +33,10 @@ def layer_parts(model: Any, layer: int, info: ModelInfo | None = None
     return info, conv, attn, parts, output_projection(attn, info.name, layer)[1]
 
 
-def model_tables(model: Any, conv: LayerConventions, positions: torch.Tensor
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The layer's raw tables (as its rotary call stores them, amplitude included) at
-    ``positions``, ``(n, width)`` on the model's device in its dtype."""
-    p = next(model.parameters())
-    like = torch.zeros(1, 1, 1, dtype=p.dtype, device=p.device)
-    name, _, rest = (conv.rotary or "").partition("(layer_type=")
-    lt = rest[1:-2] if rest else None
-    return _table_call(model, positions.reshape(-1).long(), like, name, lt)
-
-
 def per_pair_tables(model: Any, conv: LayerConventions, positions: torch.Tensor
                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(n, R/2)`` model tables at ``positions``, one angle per rotated pair (amplitude in)."""
-    c, s = model_tables(model, conv, positions)
+    c, s = layer_tables(model, conv, positions)
     return _per_pair(c, conv.tables), _per_pair(s, conv.tables)
 
 
@@ -78,8 +67,12 @@ def run_attention(model: Any, layer: int, x: torch.Tensor, positions: torch.Tens
     info, conv, attn, _, _ = layer_parts(model, layer, info)
     n = x.shape[0]
     pos = positions.reshape(-1).long()
-    cos, sin = model_tables(model, conv, pos) if conv.rotary else model_tables(
-        model, info.layers[0], pos)
+    # a layer that does not rotate is still handed tables by its model: any rotated layer's
+    rot = conv if conv.rotary else next((c for c in info.layers if c.rotary), None)
+    if rot is None:
+        raise RuntimeError(f"{info.name}: no layer rotates, so no RoPE tables to hand layer "
+                           f"{layer}")
+    cos, sin = layer_tables(model, rot, pos)
     i, j = torch.arange(n)[:, None], torch.arange(n)[None]
     ok = j <= i
     if conv.window is not None:

@@ -283,6 +283,18 @@ def _table_call(model: Any, positions: torch.Tensor, like: torch.Tensor, name: s
     return c.reshape(-1, c.shape[-1]), s.reshape(-1, s.shape[-1])
 
 
+def layer_tables(model: Any, conv: "LayerConventions", positions: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The layer's raw tables at ``positions`` -- its rotary call (``conv.rotary``: a module
+    name, with ``(layer_type='...')`` where it takes one), amplitude included -- ``(n, width)``
+    on the model's device in its dtype."""
+    p = next(model.parameters())
+    like = torch.zeros(1, 1, 1, dtype=p.dtype, device=p.device)
+    name, _, rest = (conv.rotary or "").partition("(layer_type=")
+    lt = rest[1:-2] if rest else None
+    return _table_call(model, positions.reshape(-1).long(), like, name, lt)
+
+
 def _match_rotary(model: Any, r: AttentionRecord, n: int) -> tuple[str, str | None] | None:
     """The rotary call (module name, ``layer_type``) that reproduces the layer's tables."""
     cos, sin = r.cos.reshape(-1, r.cos.shape[-1]), r.sin.reshape(-1, r.sin.shape[-1])
@@ -630,10 +642,7 @@ def rope_tables(model: Any, n_positions: int, layer: int = 0, *,
     if conv.rotary is None:
         one = torch.ones(n_positions, h, dtype=p.dtype)
         return one, torch.zeros_like(one)
-    name, _, rest = conv.rotary.partition("(layer_type=")
-    lt = rest[1:-2] if rest else None
-    like = torch.zeros(1, 1, 1, dtype=p.dtype, device=p.device)
-    c, s = _table_call(model, torch.arange(n_positions), like, name, lt)
+    c, s = layer_tables(model, conv, torch.arange(n_positions))
     c, s = c.detach().cpu(), s.detach().cpu()
     R = conv.rotary_dim
     width = R // 2 if conv.tables == "single" else R
