@@ -240,3 +240,20 @@ def test_a_wrong_rope_type_fails_validate(name, zoo, monkeypatch):
     monkeypatch.setattr(conv_mod, "rope_tables", default_tables)
     text = _validate_fails(d, zoo / f"wrong-rope-{name}" / "validate")
     assert "FAIL" in text or ": error: " in text
+
+
+def test_a_window_wider_than_the_first_forward_is_read_from_a_second():
+    """Mistral with a 40-key window: the 24-token reading forward cannot show it, so the layers'
+    masks over 41 tokens are read too."""
+    from transformers import AutoModelForCausalLM
+
+    from ropestep.models import conventions as conv_mod
+
+    config = archzoo.ARCHITECTURES["mistral"].config()
+    config.sliding_window = 40
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
+    assert 40 > conv_mod.PROBE_TOKENS
+    info = models.describe_model(model)
+    assert [c.window for c in info.layers] == [40, 40]
+    spec, _ = models.layer_head(model, 0, 64, info=info)
+    assert spec.window == 40  # (a named window the masks do not apply: test_adapter)

@@ -298,16 +298,19 @@ def test_load_refuses_before_loading_weights(tmp_path):
 
 
 def test_reads_modified_attention_modules(tiny_qwen2, monkeypatch):
-    """The score scale and window are read from what the layer does, not from a table."""
+    """The score scale is read from what the layer does, not from a table; a window the layer
+    names is checked against the mask the model builds (a second, window + 1 token forward)."""
     attn = tiny_qwen2.model.model.layers[1].self_attn
     monkeypatch.setattr(attn, "scaling", 0.2)
-    monkeypatch.setattr(attn, "sliding_window", 128)
     conv = models.describe_model(tiny_qwen2.model).layers[1]
-    assert (conv.scaling, conv.window) == (0.2, 128)
+    assert (conv.scaling, conv.window) == (0.2, None)
     assert models.layer_head(tiny_qwen2.model, 1, 8)[0].scale == 0.2
-    # a window wider than the reading's forward is taken as named; the layer paths apply it
-    # (a model whose mask disagrees fails its native comparisons over longer contexts)
-    assert models.layer_head(tiny_qwen2.model, 1, 200)[0].window == 128
+    # the module names a window the model's masks (built from its config) do not apply
+    monkeypatch.setattr(attn, "sliding_window", 128)
+    with pytest.raises(UnsupportedModelError, match="names sliding_window=128 but its mask "
+                                                    "over 129 tokens"):
+        models.describe_model(tiny_qwen2.model)
+    # (a window the model does apply, wider than the first forward: test_architecture_matrix)
 
 
 def test_refuses_a_broken_attention_module(tiny_qwen2, monkeypatch):

@@ -45,6 +45,10 @@ from .structure import (attention_module, layer_modules, model_name, output_proj
 
 F64 = torch.float64
 PROBE_TOKENS = 24  # tokens of the reading forward (windows below it are checked on the mask)
+# a sliding window the layers name but the reading forward is too short to show is checked on a
+# second forward of window + 1 tokens (its masks only) up to this width; a wider one is taken
+# as named, and a mask that disagrees fails the native comparisons of runs longer than it
+WINDOW_PROBE_MAX = 1024
 
 
 @dataclass(frozen=True)
@@ -593,6 +597,19 @@ def _read_model(model: Any, info: ModelInfo) -> ModelInfo:
         raise RuntimeError(f"{info.name}: call model.eval() before reading conventions (dropout)")
     recs = probe_forward(model, PROBE_TOKENS)
     layers = tuple(read_layer(model, info, L, recs[L]) for L in range(n))
+    unseen = [c for c in layers if c.window is not None and c.window >= PROBE_TOKENS]
+    wide = max((c.window for c in unseen), default=0)
+    if unseen and wide <= WINDOW_PROBE_MAX:
+        n2 = wide + 1
+        recs2 = probe_forward(model, n2, layers=[c.layer for c in unseen],
+                              keep=("key", "mask", "kwargs"))
+        i, j = torch.arange(n2)[:, None], torch.arange(n2)[None]
+        for c in unseen:
+            got = _permitted(recs2[c.layer], n2, info.name, c.layer)
+            if not torch.equal(got, (j <= i) & (i - j < c.window)):
+                raise UnsupportedModelError(
+                    f"{info.name}: layer {c.layer} names sliding_window={c.window} but its mask "
+                    f"over {n2} tokens is not that causal window")
     return replace(info, family="qknorm" if any(c.qk_norm for c in layers) else "dot",
                    qkv_bias=any(c.qkv_bias for c in layers),
                    o_bias=any(c.o_bias for c in layers), layers=layers,

@@ -110,7 +110,7 @@ def recording(model: Any, layers: Sequence[int], *, keep: Sequence[str] = (
                     raise RuntimeError(f"{who}: layer {L} computed attention before its input "
                                        "was recorded (the module's forward was bypassed)")
                 r = rec[L][-1]
-                if r.query is not None:
+                if r.kwargs.get("_seen"):
                     raise RuntimeError(f"{who}: layer {L} called {EAGER} twice in one forward")
                 named = _bind(orig, (module, query, key, value, attention_mask, *args), kwargs)
                 if "query" in keep:
@@ -125,7 +125,7 @@ def recording(model: Any, layers: Sequence[int], *, keep: Sequence[str] = (
                     r.kwargs = {k: (v.detach() if torch.is_tensor(v) else v)
                                 for k, v in named.items()
                                 if k not in ("module", "query", "key", "value", "attention_mask")}
-                    r.kwargs["_seen"] = True
+                r.kwargs["_seen"] = True
                 if isinstance(out, tuple) and out:
                     if "output" in keep:
                         r.output = out[0].detach()
@@ -149,7 +149,8 @@ def recording(model: Any, layers: Sequence[int], *, keep: Sequence[str] = (
 
 
 def probe_forward(model: Any, n_tokens: int = 12, *, layers: Sequence[int] | None = None,
-                  seed: int = 0) -> dict[int, AttentionRecord]:
+                  seed: int = 0, keep: Sequence[str] | None = None
+                  ) -> dict[int, AttentionRecord]:
     """One batch-1 eager forward over ``n_tokens`` seeded token ids at positions ``0..n-1``,
     every layer's first attention call recorded (the conventions are read from it)."""
     impl = getattr(model.config, "_attn_implementation", None)
@@ -163,7 +164,8 @@ def probe_forward(model: Any, n_tokens: int = 12, *, layers: Sequence[int] | Non
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, vocab, (1, n_tokens), generator=g)
     dev = next(model.parameters()).device
-    with recording(model, Ls) as rec, torch.no_grad():
+    kw = {} if keep is None else {"keep": tuple(keep)}
+    with recording(model, Ls, **kw) as rec, torch.no_grad():
         try:
             model(input_ids=ids.to(dev), position_ids=torch.arange(n_tokens, device=dev)[None],
                   use_cache=False)
@@ -174,9 +176,9 @@ def probe_forward(model: Any, n_tokens: int = 12, *, layers: Sequence[int] | Non
                 f"{type(err).__name__}: {text}") from None
     out = {}
     for L, rs in rec.items():
-        if len(rs) != 1 or rs[0].query is None:
+        if len(rs) != 1 or not rs[0].kwargs.get("_seen"):
             raise UnsupportedModelError(
                 f"{who}: layer {L}'s attention ran {len(rs)} times in one forward "
-                f"({'without' if rs and rs[0].query is None else 'with'} {EAGER}); expected once")
+                f"({'with' if rs and rs[0].kwargs.get('_seen') else 'without'} {EAGER}); expected once")
         out[L] = rs[0]
     return out
