@@ -237,11 +237,7 @@ def conventions(model: Any, layer: int, x: Any, positions: Any, *,
 
     # elementwise bounds A = |x| |W|^T + |b| (float64), summed over the model's rotation pair
     def abs_terms(part: tuple, nh: int, rotated: bool) -> torch.Tensor:
-        w = part[0].detach().to("cpu", F64).abs()
-        A = x64.abs() @ w.T
-        if part[1] is not None:
-            A = A + part[1].detach().to("cpu", F64).abs()
-        A = A.view(n, nh, -1).transpose(0, 1)
+        A = models.layouts.project(part, x64, nh)[1].transpose(0, 1)
         if rotated:
             A = models.attention.pair_sum(A, conv)[..., perm] * max(a, 1.0)
         return A
@@ -779,10 +775,7 @@ class _Attention64:
         n = x.shape[0]
 
         def proj(part: tuple, nh: int) -> torch.Tensor:  # (nh, n, d), float64
-            z = x @ part[0].detach().to("cpu", F64).T
-            if part[1] is not None:
-                z = z + part[1].detach().to("cpu", F64)
-            return z.view(n, nh, -1).transpose(0, 1)
+            return models.layouts.project(part, x, nh)[0].transpose(0, 1)
 
         with torch.no_grad():
             self.q, self.k = proj(parts["q"], self.H), proj(parts["k"], self.Hk)

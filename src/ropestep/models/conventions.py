@@ -39,6 +39,7 @@ from .. import tolerances as tl
 from ..spec import HeadSpec, HeadWeights, RoPESpec
 from .errors import UnsupportedModelError
 from .layouts import candidates as layout_candidates
+from .layouts import project as project_part
 from .probe import AttentionRecord, probe_forward
 from .structure import (attention_module, layer_modules, model_name, output_projection,
                         rotary_modules)
@@ -437,12 +438,7 @@ def read_layer(model: Any, info: ModelInfo, L: int, r: AttentionRecord) -> Layer
                     ok = False
                     worst.append(f"{nm} rows {tuple(W.shape)} != {(heads * dim, m)}")
                     break
-                W64 = W.detach().to("cpu", F64)
-                z = x64 @ W64.T
-                A = x64.abs() @ W64.abs().T
-                if b is not None:
-                    z, A = z + b.detach().to("cpu", F64), A + b.detach().to("cpu", F64).abs()
-                z, A = z.view(n, heads, dim), A.view(n, heads, dim)
+                z, A = project_part((W, b), x64, heads)
                 E = tl.rotated_projection_abs(mdt, A, m + 1) + tl.rotated_projection_abs(
                     F64, A, m + 1)
                 if g is not None:  # RMS norm (per head, or over every head of a token):

@@ -62,6 +62,22 @@ def per_head(attn: Any, H: int, Hk: int, d: int, r: int) -> dict | None:
             "v": _wb(lin, idx=(base + 2 * d).reshape(-1))}
 
 
+def project(part: tuple, x: Any, heads: int) -> tuple[Any, Any]:
+    """One part ``(W, b)`` applied to ``x (n, m)`` in float64 on the CPU: ``z = x W^T + b`` and
+    its rounding terms ``A = |x| |W|^T + |b|``, each ``(n, heads, dim)``."""
+    import torch
+
+    f64 = torch.float64
+    W = part[0].detach().to("cpu", f64)
+    x = x.to("cpu", f64)
+    z, A = x @ W.T, x.abs() @ W.abs().T
+    if part[1] is not None:
+        b = part[1].detach().to("cpu", f64)
+        z, A = z + b, A + b.abs()
+    n = x.shape[0]
+    return z.view(n, heads, -1), A.view(n, heads, -1)
+
+
 LAYOUTS: dict[str, Callable[..., dict | None]] = {
     "separate": separate, "fused": fused, "per_head": per_head}
 
