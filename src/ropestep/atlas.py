@@ -33,6 +33,7 @@ from __future__ import annotations
 import json
 import math
 import resource
+import shutil
 import sys
 import time
 from dataclasses import asdict, dataclass, field, replace
@@ -502,19 +503,122 @@ def check_config(cfg: AtlasConfig) -> None:
         raise AtlasError(f"--max-bytes must be at least 1 MiB, got {cfg.max_bytes}")
 
 
-def _progress(total: int, enabled: bool, desc: str):
-    if not enabled:
-        return None
-    try:
-        from tqdm.auto import tqdm
-    except ImportError:  # pragma: no cover - tqdm is in the model extra
-        return None
-    return tqdm(total=total, desc=desc, unit="item", file=sys.stderr, leave=False)
+class _Progress:
+    """Progress over the work items: a tqdm bar on a terminal; off a terminal (CI, batch jobs,
+    ``nohup``) one line per finished item on stderr, with the elapsed time and an estimate of
+    what remains (the mean time per item computed so far, times the items left).  Disabled
+    (``--quiet``, ranks other than 0): nothing."""
+
+    def __init__(self, total: int, enabled: bool, desc: str, stream: Any = None):
+        self.total, self.desc, self.count, self.skip = total, desc, 0, 0
+        self.stream = sys.stderr if stream is None else stream
+        self.t0 = time.perf_counter()
+        self.bar = None
+        self.lines = False
+        if not enabled:
+            return
+        isatty = getattr(self.stream, "isatty", None)
+        if isatty is not None and isatty():
+            try:
+                from tqdm.auto import tqdm
+                self.bar = tqdm(total=total, desc=desc, unit="item", file=self.stream,
+                                leave=False)
+                return
+            except ImportError:  # pragma: no cover - tqdm is in the model extra
+                pass
+        self.lines = True
+
+    def skipped(self, n: int) -> None:
+        """``n`` items read back from a run directory (counted done, not timed)."""
+        self.skip += n
+        self.count += n
+        if self.bar is not None:
+            self.bar.update(n)
+        elif self.lines and n:
+            self.stream.write(f"{self.desc}: {n} of {self.total} items read back from the run "
+                              "directory\n")
+            self.stream.flush()
+
+    def __call__(self, context: int, layer: int) -> None:
+        self.count += 1
+        if self.bar is not None:
+            self.bar.update(1)
+            self.bar.set_postfix(context=context, layer=layer)
+        elif self.lines:
+            el = time.perf_counter() - self.t0
+            computed = self.count - self.skip
+            left = el / computed * (self.total - self.count)
+            self.stream.write(f"{self.desc}: context {context} layer {layer} done "
+                              f"({self.count}/{self.total}), {el:.1f} s elapsed, ~{left:.0f} s "
+                              "left\n")
+            self.stream.flush()
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def _progress(total: int, enabled: bool, desc: str) -> _Progress:
+    return _Progress(total, enabled, desc)
+
+
+# ---------------------------------------------------------------------------------------------
+# the run directory: finished items kept as they complete (--run-dir, --resume)
+# ---------------------------------------------------------------------------------------------
+RUN_SCHEMA = "ropestep.atlas-run/1"
+_SCALARS = ("value_scale", "native_scale", "qk_max")
+
+
+def _item_key(context: int, layer: int) -> str:
+    return f"context{context}_layer{layer}"
+
+
+def _result_to_arrays(res: LayerResult, context: int, m: int) -> tuple[dict, dict]:
+    arrays = {f"arrays.{k}": v for k, v in res.arrays.items()}
+    arrays.update({k: getattr(res, k) for k in _SCALARS})
+    return arrays, {"context": context, "layer": res.layer, "errors": list(res.errors), "m": m}
+
+
+def _result_from_arrays(arrays: dict, meta: dict) -> tuple[LayerResult, int]:
+    per_query = {k[len("arrays."):]: v for k, v in arrays.items() if k.startswith("arrays.")}
+    if sorted(per_query) != sorted(PER_QUERY) or any(k not in arrays for k in _SCALARS):
+        raise AtlasError(f"run directory item of context {meta.get('context')} layer "
+                         f"{meta.get('layer')} holds other statistics than this version "
+                         "computes: start without --resume")
+    return LayerResult(int(meta["layer"]), per_query, *(arrays[k] for k in _SCALARS),
+                       errors=list(meta["errors"])), int(meta["m"])
+
+
+def _open_run_dir(path: Path, resume: bool, cfg: AtlasConfig, prov: dict, items: list,
+                  rank: int, world: int):
+    """Open the run directory on every rank: rank 0 first (it starts it afresh or checks the
+    fingerprint), then the others join the run it opened.  The fingerprint: the configuration,
+    the model's provenance (its files' sha256), the work list and ropestep's version."""
+    from . import __version__
+    from .runstate import RunStateError, open_run
+
+    fp = {"schema": RUN_SCHEMA, "config": asdict(cfg), "model": _portable(prov),
+          "items": [list(it) for it in items], "ropestep": __version__}
+    fp = json.loads(json.dumps(fp, default=str))
+    err = None
+    state = None
+    if rank == 0:
+        try:
+            state = open_run(path, fp, resume=resume)
+        except RunStateError as e:
+            err = str(e)
+    err = broadcast_from_rank0(err, rank, world)
+    if err is not None:
+        raise AtlasError(err)
+    if rank != 0:
+        state = open_run(path, fp, resume=True)
+    return state
 
 
 def run(cfg: AtlasConfig, *, progress: bool = True, command: Sequence[str] | None = None,
         loaded: tuple | None = None, dist_info: tuple[int, int] | None = None,
-        dump_raw: Path | None = None) -> dict | None:
+        dump_raw: Path | None = None, run_dir: Path | None = None,
+        resume: bool = False) -> dict | None:
     """Run the atlas and return the report (a JSON-ready dict; the report is not written here).
 
     ``loaded`` may pass an already loaded ``(model, tokenizer, provenance)`` (tests).
@@ -523,6 +627,10 @@ def run(cfg: AtlasConfig, *, progress: bool = True, command: Sequence[str] | Non
     returns the report; the other ranks return None.  ``dump_raw``: a directory that receives
     the raw tensors every statistic is computed from (:func:`ropestep.protocol.dump_layer`,
     :func:`dump_item`, :func:`write_raw_manifest`; docs/protocol.md section 11).
+    ``run_dir``: every finished (context, layer) item is kept there as it completes
+    (:mod:`ropestep.runstate`); with ``resume`` the items already there (of a run with the same
+    configuration and model files) are read back instead of recomputed, so a killed run continues
+    where it stopped and gives the report an uninterrupted run gives (:func:`same_report`).
     """
     from . import models, protocol
     from .corpus import load_corpus, select_blocks, tokenizer_fn
@@ -555,11 +663,26 @@ def run(cfg: AtlasConfig, *, progress: bool = True, command: Sequence[str] | Non
     mine = shard_contiguous(items, rank, world)
     done: list[tuple[int, int, LayerResult]] = []
     specs: dict[int, tuple[HeadSpec, int]] = {}
-    bar = _progress(len(mine), progress and rank == 0, "atlas")
+    state = None if run_dir is None else _open_run_dir(run_dir, resume, cfg, prov, items,
+                                                       rank, world)
+    kept: dict[tuple[int, int], LayerResult] = {}
+    if state is not None:
+        for c, L in mine:
+            got = state.load(_item_key(c, L))
+            if got is not None:
+                kept[(c, L)], m = _result_from_arrays(*got)
+                if L not in specs:  # the layer's description, from the model (no capture)
+                    specs[L] = (models.layer_head(model, L, cfg.length, dtype=torch.float64,
+                                                  device=cfg.device)[0], m)
+    report_item = _progress(len(mine), progress and rank == 0, "atlas")
+    report_item.skipped(len(kept))
     if dump_raw is not None:
         dump_raw.mkdir(parents=True, exist_ok=True)
     for c in sorted({c for c, _ in mine}):
-        my_layers = [L for cc, L in mine if cc == c]
+        done += [(c, L, kept[(c, L)]) for cc, L in mine if cc == c and (c, L) in kept]
+        my_layers = [L for cc, L in mine if cc == c and (c, L) not in kept]
+        if not my_layers:
+            continue
         ids = torch.tensor(blocks[c].ids)
         ts = time.perf_counter()
         caps = models.capture(model, ids, my_layers, stop_early=False)
@@ -579,14 +702,14 @@ def run(cfg: AtlasConfig, *, progress: bool = True, command: Sequence[str] | Non
                                      lp_dtype=lp, anchor_every=cfg.anchor_every,
                                      max_bytes=cfg.max_bytes, device=cfg.device, timers=timers)
             done.append((c, L, res))
-            if bar is not None:
-                bar.update(1)
-                bar.set_postfix(context=c, layer=L)
+            if state is not None:
+                state.save(_item_key(c, L), *_result_to_arrays(res, c, specs[L][1]))
+            report_item(c, L)
         del caps
-    if bar is not None:
-        bar.close()
-    parts = gather_to_rank0({"rank": rank, "done": done, "specs": specs, "timers": timers},
-                            rank, world)
+    report_item.close()
+    done.sort(key=lambda t: (t[0], t[1]))
+    parts = gather_to_rank0({"rank": rank, "done": done, "specs": specs, "timers": timers,
+                             "resumed": len(kept)}, rank, world)
     if rank != 0:
         return None
     done = sorted((d for p in parts for d in p["done"]), key=lambda t: (t[0], t[1]))
@@ -631,6 +754,7 @@ def run(cfg: AtlasConfig, *, progress: bool = True, command: Sequence[str] | Non
         "environment": env,
         "timing_seconds": timers,
         "run": {"world_size": world,
+                "resumed_items": sum(p.get("resumed", 0) for p in parts),
                 "rank_items": {str(p["rank"]): [[c, L] for c, L, _ in p["done"]] for p in parts},
                 "rank_timing_seconds": {str(p["rank"]): p["timers"] for p in parts}},
         "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0,
@@ -915,6 +1039,13 @@ def add_arguments(p) -> None:
                    help="also write the raw tensors every statistic is computed from "
                         "(inputs, weights, RoPE tables, the model's own head outputs) and the "
                         "run's config into DIR (docs/protocol.md section 11)")
+    p.add_argument("--run-dir", metavar="DIR", default=None,
+                   help="where each finished (context, layer) item is kept as it completes, "
+                        "removed once the report is written [OUT.run, beside --out]")
+    p.add_argument("--resume", action="store_true",
+                   help="continue a killed run from its run directory: items already there "
+                        "are read back, not recomputed (same configuration and model files "
+                        "only; another run's directory is refused)")
     p.add_argument("--out", required=True, metavar="DIR", help="report directory")
 
 
@@ -934,6 +1065,13 @@ def main_args(args, argv: Sequence[str]) -> int:
     dump_raw = None if args.dump_raw is None else Path(args.dump_raw)
     if dump_raw is not None and dump_raw.exists() and not dump_raw.is_dir():
         return bad(AtlasError(f"--dump-raw {args.dump_raw}: exists and is not a directory"))
+    if dump_raw is not None and args.resume:
+        return bad(AtlasError("--dump-raw writes the inputs of every item as it computes them: "
+                              "not with --resume (run without it)"))
+    run_dir = Path(args.run_dir) if args.run_dir is not None else \
+        out.parent / (out.name + ".run")
+    if run_dir.resolve() == out.resolve():
+        return bad(AtlasError("--run-dir must not be the report directory (--out)"))
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     cfg = AtlasConfig(model=args.model, revision=args.revision, gguf=args.gguf,
@@ -950,13 +1088,15 @@ def main_args(args, argv: Sequence[str]) -> int:
         rank, world, _ = init_distributed(None, "cpu" if args.device == "cpu" else args.device)
         try:
             result = run(cfg, progress=not args.quiet, command=["ropestep", *argv],
-                         dist_info=(rank, world), dump_raw=dump_raw)
+                         dist_info=(rank, world), dump_raw=dump_raw, run_dir=run_dir,
+                         resume=args.resume)
         except (AtlasError, protocol.ProtocolError, CorpusError, models.ModelLoadError,
                 models.UnsupportedModelError) as err:
             return bad(err)
         code = 0
         if rank == 0:
             write_report(result, out, figures=not args.no_figures)
+            shutil.rmtree(run_dir, ignore_errors=True)  # the report holds it all now
             code = 0 if result["verdict"]["passed"] else 1
         code = broadcast_from_rank0(code, rank, world)
         synced = True

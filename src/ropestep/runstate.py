@@ -1,0 +1,153 @@
+"""A run directory that outlives its process: finished work items, kept as they complete, so that
+a killed run can be resumed (``--run-dir``, ``--resume`` of ``ropestep atlas``).
+
+A run directory holds ``run.json`` -- the run's *fingerprint*: its schema, the full configuration
+and the model's provenance with the sha256 of its files -- and one pair of files per finished
+work item: ``<key>.npz`` (the item's float64 arrays, bit for bit) and ``<key>.json`` (its other
+values), the JSON written last.  Both are written under a temporary name and renamed into place
+(``os.replace`` is atomic on POSIX), so a process killed at any instant leaves each item either
+complete or absent: an item counts as done when its JSON exists and its arrays load.
+
+:func:`open_run` starts a fresh run (any earlier items in the directory are removed) or, with
+``resume=True``, continues one: a directory whose fingerprint differs from the new run's is
+refused with one line naming the first field that differs (:class:`RunStateError`, exit 2 at
+the command line), and no item of another configuration or model is ever read.
+
+Numbers only round-trip exactly: ``.npz`` stores the float64 arrays as they are and the JSON
+side holds strings, integers and lists of those (floats there must go through the arrays).
+Imports nothing of ropestep (the bottom layer of the import contract).
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+MANIFEST = "run.json"
+_KEY = re.compile(r"^[A-Za-z0-9_.-]+$")
+
+
+class RunStateError(ValueError):
+    """A run directory that cannot serve this run (another configuration or model, not a run
+    directory, unreadable): one line, exit 2."""
+
+
+def _atomic_write(path: Path, write) -> None:
+    """``write(file_object)`` into a temporary sibling, flushed to disk, then renamed to ``path``."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def _canonical(x: Any) -> str:
+    return json.dumps(x, sort_keys=True, separators=(",", ":"), allow_nan=False)
+
+
+def _first_difference(a: Any, b: Any, path: str = "") -> str:
+    """The first path where two JSON trees differ, with both values (for the refusal's line)."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        for k in sorted(set(a) | set(b)):
+            if k not in a or k not in b or _canonical(a[k]) != _canonical(b[k]):
+                if k in a and k in b:
+                    return _first_difference(a[k], b[k], f"{path}.{k}" if path else k)
+                return f"{path}.{k}" if path else k
+    return f"{path or 'fingerprint'}: {_canonical(a)[:80]} in the run directory, now {_canonical(b)[:80]}"
+
+
+@dataclass
+class RunDir:
+    """An open run directory (see the module docstring)."""
+
+    path: Path
+    fingerprint: dict
+    resumed: bool
+
+    def _check_key(self, key: str) -> None:
+        if not _KEY.match(key):
+            raise ValueError(f"item key {key!r}: letters, digits, '_', '.', '-' only")
+
+    def save(self, key: str, arrays: dict[str, np.ndarray], meta: dict) -> None:
+        """Keep one finished item: its float64 (or integer) arrays and its JSON values."""
+        self._check_key(key)
+        arrays = {k: np.asarray(v) for k, v in arrays.items()}
+        _atomic_write(self.path / f"{key}.npz", lambda f: np.savez(f, **arrays))
+        text = _canonical({"key": key, "arrays": sorted(arrays), "meta": meta}).encode()
+        _atomic_write(self.path / f"{key}.json", lambda f: f.write(text))
+
+    def load(self, key: str) -> tuple[dict[str, np.ndarray], dict] | None:
+        """A finished item's ``(arrays, meta)``, or None when it is not (completely) there."""
+        self._check_key(key)
+        js, npz = self.path / f"{key}.json", self.path / f"{key}.npz"
+        if not js.exists():
+            return None
+        try:
+            rec = json.loads(js.read_text())
+            with np.load(npz, allow_pickle=False) as z:
+                arrays = {k: z[k] for k in z.files}
+        except (OSError, ValueError) as err:
+            raise RunStateError(f"run directory {self.path}: item {key} is unreadable ({err}); "
+                                "start without --resume") from None
+        if sorted(arrays) != rec.get("arrays"):
+            raise RunStateError(f"run directory {self.path}: item {key}'s arrays do not match "
+                                "its record; start without --resume")
+        return arrays, rec["meta"]
+
+    def done(self) -> list[str]:
+        """Keys of the items whose record is there (sorted)."""
+        return sorted(p.stem for p in self.path.glob("*.json") if p.name != MANIFEST)
+
+    def remove(self) -> None:
+        """Delete the run directory (after the final report is published)."""
+        shutil.rmtree(self.path, ignore_errors=True)
+
+
+def open_run(path: str | Path, fingerprint: dict, *, resume: bool) -> RunDir:
+    """Open ``path`` for a run with this ``fingerprint`` (a JSON-ready dict).
+
+    Fresh (``resume=False``): the directory is created, or emptied of an earlier run's items.
+    ``resume=True``: the directory must hold a run with an equal fingerprint (else
+    :class:`RunStateError`); a missing directory starts fresh (nothing was done yet)."""
+    path = Path(path)
+    try:
+        _canonical(fingerprint)
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"a run's fingerprint must be finite JSON: {err}") from None
+    if path.exists() and not path.is_dir():
+        raise RunStateError(f"--run-dir {path}: exists and is not a directory")
+    man = path / MANIFEST
+    if resume and man.exists():
+        try:
+            old = json.loads(man.read_text())
+        except (OSError, ValueError) as err:
+            raise RunStateError(f"run directory {path}: {MANIFEST} is unreadable ({err})") from None
+        if _canonical(old) != _canonical(fingerprint):
+            raise RunStateError(f"--resume: run directory {path} belongs to another run "
+                                f"(differs at {_first_difference(old, fingerprint)}); start "
+                                "without --resume or choose another --run-dir")
+        return RunDir(path, fingerprint, resumed=True)
+    if path.exists():
+        if any(path.iterdir()) and not man.exists():
+            raise RunStateError(f"--run-dir {path}: not empty and not a run directory (no "
+                                f"{MANIFEST}); refusing to clear it")
+        for p in path.iterdir():  # an earlier run's items: this run starts over
+            if p.is_file() and (p.suffix in (".npz", ".json", ".tmp")):
+                p.unlink()
+    path.mkdir(parents=True, exist_ok=True)
+    text = _canonical(fingerprint).encode()
+    _atomic_write(man, lambda f: f.write(text))
+    return RunDir(path, fingerprint, resumed=False)
