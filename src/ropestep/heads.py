@@ -43,7 +43,10 @@ barycenter of query head ``h`` pairs its own ``W_q`` with that KV head's ``W_k``
 Output: ``report.json`` first, then ``report.md`` (tables rendered from it) and ``figures/``
 (heatmaps layer x head of ``cond(W_q)``, ``cond(W_k)`` (layer x KV head), effective rank and
 barycenter; the band-energy profiles).  Exit status 0 when every number is finite, 1 when one is
-NaN or inf (each named on stderr), 2 on bad input (one line, no traceback).
+NaN or inf (each named on stderr), 2 on bad input (one line, no traceback).  ``--dump-raw DIR``
+also writes what every number of the report is computed from (per layer ``W_q``, ``W_k``, the
+RoPE bases and tables; docs/protocol.md section 13), for the independent recomputation
+:mod:`ropestep.reference.heads`; the report is the same with or without it.
 """
 from __future__ import annotations
 
@@ -112,8 +115,12 @@ def singular_values(w: Any) -> np.ndarray:
 
     Torch rather than numpy: both call LAPACK, but numpy's OpenBLAS threads cannot be limited
     without an extra package, and on a shared machine they make a 896 x 64 SVD 40-80x slower;
-    torch's follow ``torch.set_num_threads`` (the command uses one: the matrices are small)."""
-    return torch.linalg.svdvals(torch.as_tensor(_f64(w))).numpy()
+    torch's follow ``torch.set_num_threads`` (the command uses one: the matrices are small).
+    A matrix with a NaN or inf entry has no SVD (LAPACK refuses it): all NaN, a failed check."""
+    arr = _f64(w)
+    if not np.all(np.isfinite(arr)):
+        return np.full(min(arr.shape), math.nan)
+    return torch.linalg.svdvals(torch.as_tensor(arr)).numpy()
 
 
 def condition_number(sv: np.ndarray) -> float:
@@ -336,16 +343,20 @@ def parse_layers(text: str | Sequence[int], n_layers: int) -> list[int]:
 
 
 def diagnose(model: Any, layers: str | Sequence[int] = "all", *,
-             base_range: tuple[float, float] = BASE_RANGE) -> dict:
+             base_range: tuple[float, float] = BASE_RANGE, dump: Path | None = None) -> dict:
     """Diagnostics of the requested decoder layers of a loaded Hugging Face model
-    (:func:`ropestep.models.layer_head`, float64, the model's own RoPE tables)."""
+    (:func:`ropestep.models.layer_head`, float64, the model's own RoPE tables); ``dump``: a
+    directory that receives each layer's inputs (:func:`dump_layer`)."""
     from . import models
 
     info = models.describe_model(model)
     Ls = parse_layers(layers, info.n_layers)
     out: dict[str, dict] = {}
+    raw: dict[str, dict] = {}
     for L in Ls:
         spec, w = models.layer_head(model, L, 2, dtype=torch.float64)
+        if dump is not None:
+            raw[str(L)] = dump_layer(dump, L, spec, w)
         out[str(L)] = diagnose_weights(spec, w, base_range=base_range)
     summary = summarise(list(out.values()))
     return {"model": {"name": portable_name(info.name), "model_type": info.model_type,
@@ -353,20 +364,23 @@ def diagnose(model: Any, layers: str | Sequence[int] = "all", *,
                       "n_kv_heads": info.n_kv_heads, "group": info.group,
                       "head_dim": info.head_dim, "hidden": info.hidden,
                       "rope_theta": info.rope_theta, "qkv_bias": info.qkv_bias},
-            "layers": out, "summary": summary,
+            "layers": out, "summary": summary, "raw_layers": raw,
             "frequency_axis": next(iter(out.values()))["frequency_axis"] if out else None}
 
 
 def diagnose_gpt(model: Any, layers: str | Sequence[int] = "all", *,
-                 base_range: tuple[float, float] = BASE_RANGE) -> dict:
+                 base_range: tuple[float, float] = BASE_RANGE, dump: Path | None = None) -> dict:
     """The same diagnostics for a :class:`ropestep.families.GPT` (a trained variant of
     ``ropestep train-families``): each block's attention module describes its own heads
     (``head_description``: the learned per-head bases or temperatures included)."""
     cfg = model.config
     Ls = parse_layers(layers, len(model.blocks))
     out: dict[str, dict] = {}
+    raw: dict[str, dict] = {}
     for L in Ls:
         spec, w = model.blocks[L].attn.head_description(dtype=torch.float64)
+        if dump is not None:
+            raw[str(L)] = dump_layer(dump, L, spec, w)
         out[str(L)] = diagnose_weights(spec, w, base_range=base_range)
     summary = summarise(list(out.values()))
     spec0 = model.blocks[0].attn.head_description(dtype=torch.float64)[0]
@@ -375,7 +389,7 @@ def diagnose_gpt(model: Any, layers: str | Sequence[int] = "all", *,
                       "n_heads": spec0.n_heads, "n_kv_heads": spec0.n_kv_heads,
                       "group": spec0.group, "head_dim": spec0.head_dim, "hidden": cfg.d_model,
                       "rope_theta": None, "qkv_bias": False, "variant": cfg.variant},
-            "layers": out, "summary": summary,
+            "layers": out, "summary": summary, "raw_layers": raw,
             "frequency_axis": next(iter(out.values()))["frequency_axis"] if out else None}
 
 
@@ -423,8 +437,10 @@ def load(model: str, *, revision: str | None = None, gguf: str | None = None
 
 def run(model: str, *, layers: str = "all", revision: str | None = None, gguf: str | None = None,
         base_range: tuple[float, float] = BASE_RANGE, command: Sequence[str] | None = None,
-        loaded: tuple[Any, dict] | None = None) -> dict:
-    """Load (unless ``loaded = (model, provenance)`` is given), diagnose, and return the report."""
+        loaded: tuple[Any, dict] | None = None, dump_raw: Path | None = None) -> dict:
+    """Load (unless ``loaded = (model, provenance)`` is given), diagnose, and return the report.
+    ``dump_raw``: a directory that receives what every number of the report is computed from
+    (:func:`dump_layer`, :func:`write_raw_manifest`; the report is the same without it)."""
     from .protocol import environment
 
     bmin, bmax = float(base_range[0]), float(base_range[1])
@@ -438,11 +454,14 @@ def run(model: str, *, layers: str = "all", revision: str | None = None, gguf: s
     t1 = time.perf_counter()
     from .families import GPT
 
-    res = (diagnose_gpt if isinstance(m, GPT) else diagnose)(m, layers, base_range=(bmin, bmax))
+    if dump_raw is not None:
+        dump_raw.mkdir(parents=True, exist_ok=True)
+    res = (diagnose_gpt if isinstance(m, GPT) else diagnose)(m, layers, base_range=(bmin, bmax),
+                                                             dump=dump_raw)
     t2 = time.perf_counter()
     fl = failures(res["layers"])
     res["model"].update({k: v for k, v in prov.items() if k not in res["model"]})
-    return {
+    result = {
         "schema": SCHEMA,
         "command": portable_command(list(command) if command is not None else None),
         "config": {"model": portable_name(model), "revision": revision,
@@ -458,6 +477,50 @@ def run(model: str, *, layers: str = "all", revision: str | None = None, gguf: s
         "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0,
         "verdict": {"passed": not fl, "failed": [f.as_dict() for f in fl]},
     }
+    if dump_raw is not None:
+        write_raw_manifest(dump_raw, result, res["raw_layers"])
+    return result
+
+
+# ---------------------------------------------------------------------------------------------
+# --dump-raw: what every number of the report is computed from (docs/protocol.md section 13)
+# ---------------------------------------------------------------------------------------------
+RAW_SCHEMA = "ropestep.heads-raw/1"
+RAW_MANIFEST = "heads_raw.json"
+
+
+def dump_layer(out: Path, layer: int, spec: HeadSpec, weights: HeadWeights) -> dict:
+    """``layer{L}.safetensors``: the head projections exactly as :func:`diagnose_weights` reads
+    them, ``w_q (m, H, d)`` and ``w_k (m, H_kv, d)`` in math layout and float64 (the model's
+    values, converted exactly), the per-query-head RoPE bases ``rope_bases (H,)`` (head 0's
+    gives the analytic frequency axis) and, when the layer carries the model's own RoPE tables,
+    ``cos``/``sin`` ``(P, d/2)`` (float64 of the model's float32 values; row ``p`` is position
+    ``p``), from which the frequency axis is read.  Biases are not used by the diagnostics.
+    Returns the layer's sizes, pairing layout and score family for the manifest."""
+    from .protocol import save_tensors
+
+    tensors = {"w_q": weights.w_q, "w_k": weights.w_k,
+               "rope_bases": torch.tensor(spec.rope.bases(spec.n_heads), dtype=torch.float64)}
+    if spec.rope.cos is not None:
+        tensors.update(cos=torch.as_tensor(_f64(spec.rope.cos)),
+                       sin=torch.as_tensor(_f64(spec.rope.sin)))
+    save_tensors(out / f"layer{layer}.safetensors",
+                 {k: torch.as_tensor(_f64(v)) for k, v in tensors.items()})
+    return {"n_heads": spec.n_heads, "n_kv_heads": spec.n_kv_heads, "head_dim": spec.head_dim,
+            "hidden": int(weights.w_q.shape[0]), "layout": spec.rope.layout,
+            "family": spec.family}
+
+
+def write_raw_manifest(out: Path, result: dict, layers: dict[str, dict]) -> None:
+    """``heads_raw.json``: the report's ``command``, ``config`` and ``model`` exactly as it
+    records them, the base range, and per dumped layer what :func:`dump_layer` returned (its
+    sizes, pairing layout and score family, from the layer's head description)."""
+    from .report import dumps
+
+    manifest = {"schema": RAW_SCHEMA, **{k: result[k] for k in ("command", "config", "model")},
+                "base_range": [result["config"]["base_min"], result["config"]["base_max"]],
+                "layers": layers}
+    (out / RAW_MANIFEST).write_text(dumps(manifest), encoding="utf-8")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -643,6 +706,9 @@ def add_arguments(p) -> None:
     p.add_argument("--no-figures", action="store_true", help="skip the figures")
     p.add_argument("--quiet", action="store_true", help="no summary on stdout")
     p.add_argument("--out", required=True, metavar="DIR", help="report directory")
+    p.add_argument("--dump-raw", metavar="DIR", default=None,
+                   help="also write what every number is computed from (per layer W_q, W_k, "
+                        "RoPE tables and bases; docs/protocol.md section 13) into DIR")
 
 
 def main_args(args, argv: Sequence[str]) -> int:
@@ -659,11 +725,15 @@ def main_args(args, argv: Sequence[str]) -> int:
     problem = output_and_threads_problem(out, args.threads)
     if problem is not None:
         return bad(problem)
+    dump_raw = None if args.dump_raw is None else Path(args.dump_raw)
+    if dump_raw is not None and dump_raw.exists() and not dump_raw.is_dir():
+        return bad(HeadsError(f"--dump-raw {args.dump_raw}: exists and is not a directory"))
     threads = torch.get_num_threads()
     torch.set_num_threads(args.threads)
     try:
         result = run(args.model, layers=args.layers, revision=args.revision, gguf=args.gguf,
-                     base_range=(args.base_min, args.base_max), command=["ropestep", *argv])
+                     base_range=(args.base_min, args.base_max), command=["ropestep", *argv],
+                     dump_raw=dump_raw)
         write_report(result, out, figures=not args.no_figures)
     except (HeadsError, models.ModelLoadError, models.UnsupportedModelError) as err:
         return bad(err)
