@@ -35,6 +35,7 @@ import math
 import resource
 import shutil
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -618,7 +619,7 @@ def _open_run_dir(path: Path, resume: bool, cfg: AtlasConfig, prov: dict, items:
 def run(cfg: AtlasConfig, *, progress: bool = True, command: Sequence[str] | None = None,
         loaded: tuple | None = None, dist_info: tuple[int, int] | None = None,
         dump_raw: Path | None = None, run_dir: Path | None = None,
-        resume: bool = False) -> dict | None:
+        resume: bool = False, placement: dict | None = None) -> dict | None:
     """Run the atlas and return the report (a JSON-ready dict; the report is not written here).
 
     ``loaded`` may pass an already loaded ``(model, tokenizer, provenance)`` (tests).
@@ -631,6 +632,8 @@ def run(cfg: AtlasConfig, *, progress: bool = True, command: Sequence[str] | Non
     (:mod:`ropestep.runstate`); with ``resume`` the items already there (of a run with the same
     configuration and model files) are read back instead of recomputed, so a killed run continues
     where it stopped and gives the report an uninterrupted run gives (:func:`same_report`).
+    ``placement``: accelerate's big-model placement of the model (:func:`ropestep.models.placement`),
+    recorded in the report's ``run`` section with where each module went.
     """
     from . import models, protocol
     from .corpus import load_corpus, select_blocks, tokenizer_fn
@@ -641,7 +644,7 @@ def run(cfg: AtlasConfig, *, progress: bool = True, command: Sequence[str] | Non
     if loaded is None:
         pc = protocol.Config(model=cfg.model, revision=cfg.revision, gguf=cfg.gguf,
                              dtype=cfg.dtype, device=cfg.device)
-        loaded = protocol.load(pc)
+        loaded = protocol.load(pc, placement)
     model, tok, prov = loaded
     timers["load_model"] = time.perf_counter() - t0
     info = models.describe_model(model)
@@ -755,6 +758,7 @@ def run(cfg: AtlasConfig, *, progress: bool = True, command: Sequence[str] | Non
         "timing_seconds": timers,
         "run": {"world_size": world,
                 "resumed_items": sum(p.get("resumed", 0) for p in parts),
+                "placement": _placement_record(model, placement),
                 "rank_items": {str(p["rank"]): [[c, L] for c, L, _ in p["done"]] for p in parts},
                 "rank_timing_seconds": {str(p["rank"]): p["timers"] for p in parts}},
         "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0,
@@ -765,6 +769,22 @@ def run(cfg: AtlasConfig, *, progress: bool = True, command: Sequence[str] | Non
     if dump_raw is not None:
         write_raw_manifest(dump_raw, result, specs, items)
     return result
+
+
+def _placement_record(model: Any, placement: dict | None) -> dict:
+    """Where the model's modules were placed: the whole model on one device, or accelerate's
+    map (modules per device, ``disk`` for offloaded ones) and the budget it was given."""
+    dmap = getattr(model, "hf_device_map", None)
+    if not placement or not dmap:
+        return {"device_map": None}
+    where: dict[str, int] = {}
+    for dev in dmap.values():
+        where[str(dev)] = where.get(str(dev), 0) + 1
+    mm = placement.get("max_memory")
+    return {"device_map": placement["device_map"] if isinstance(placement["device_map"], str)
+            else next(iter(placement["device_map"].values())),
+            "max_memory": None if mm is None else {str(k): int(v) for k, v in mm.items()},
+            "modules_per_device": dict(sorted(where.items()))}
 
 
 def _portable(prov: dict) -> dict:
@@ -1012,9 +1032,10 @@ def write_report(result: dict, out: Path, *, figures: bool = True) -> None:
 # command line (registered as ``ropestep atlas`` in ropestep.cli)
 # ---------------------------------------------------------------------------------------------
 def add_arguments(p) -> None:
-    from .models import add_model_arguments
+    from .models import add_model_arguments, add_placement_arguments
 
     add_model_arguments(p)
+    add_placement_arguments(p)
     p.add_argument("--corpus", default="default", metavar="wikitext2|PATH|default",
                    help="text the contexts are drawn from [default: the bundled text]")
     p.add_argument("--contexts", type=int, default=4, metavar="C", help="contexts [4]")
@@ -1072,6 +1093,10 @@ def main_args(args, argv: Sequence[str]) -> int:
         out.parent / (out.name + ".run")
     if run_dir.resolve() == out.resolve():
         return bad(AtlasError("--run-dir must not be the report directory (--out)"))
+    try:
+        place = models.placement(args.device_map, args.max_memory, args.offload_folder)
+    except models.ModelLoadError as err:
+        return bad(err)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     cfg = AtlasConfig(model=args.model, revision=args.revision, gguf=args.gguf,
@@ -1084,12 +1109,16 @@ def main_args(args, argv: Sequence[str]) -> int:
     except AtlasError as err:
         return bad(err)
     synced = False
+    scratch = None
+    if place is not None and place["device_map"] == "auto" and "offload_folder" not in place:
+        scratch = tempfile.mkdtemp(prefix="ropestep-offload-")  # removed below, whatever happens
+        place["offload_folder"] = scratch
     try:
         rank, world, _ = init_distributed(None, "cpu" if args.device == "cpu" else args.device)
         try:
             result = run(cfg, progress=not args.quiet, command=["ropestep", *argv],
                          dist_info=(rank, world), dump_raw=dump_raw, run_dir=run_dir,
-                         resume=args.resume)
+                         resume=args.resume, placement=place)
         except (AtlasError, protocol.ProtocolError, CorpusError, models.ModelLoadError,
                 models.UnsupportedModelError) as err:
             return bad(err)
@@ -1104,6 +1133,8 @@ def main_args(args, argv: Sequence[str]) -> int:
             return code
     finally:
         finish(barrier=synced)
+        if scratch is not None:
+            shutil.rmtree(scratch, ignore_errors=True)
     if not args.quiet:
         rep = result["replication_style_descent"]
         for L, r in rep["per_layer"].items():

@@ -199,8 +199,10 @@ def check_sizes(cfg: Config) -> None:
 # ---------------------------------------------------------------------------------------------
 # model and provenance
 # ---------------------------------------------------------------------------------------------
-def load(cfg: Config) -> tuple[Any, Any, dict]:
-    """Load ``(model, tokenizer, provenance)``; ``cfg.model == "smollm2"`` is the packaged GGUF."""
+def load(cfg: Config, placement: dict | None = None) -> tuple[Any, Any, dict]:
+    """Load ``(model, tokenizer, provenance)``; ``cfg.model == "smollm2"`` is the packaged GGUF.
+    ``placement``: accelerate's ``device_map``/``max_memory``/``offload_folder``
+    (:func:`ropestep.models.placement`; None: the whole model on ``cfg.device``)."""
     from . import models
 
     source, gguf = cfg.model, cfg.gguf
@@ -211,7 +213,8 @@ def load(cfg: Config) -> tuple[Any, Any, dict]:
         source = str(models.locate_smollm2_gguf())
     with _quiet_gguf_progress():
         model, tok = models.load_model(source, revision=cfg.revision, gguf_file=gguf,
-                                       dtype=DTYPES[cfg.dtype], device=cfg.device)
+                                       dtype=DTYPES[cfg.dtype], device=cfg.device,
+                                       **(placement or {}))
     if tok is None:
         raise ProtocolError(f"{cfg.model}: no tokenizer was found with the model")
     prov: dict = {"argument": portable_name(cfg.model), "source": portable_name(source),
@@ -577,7 +580,7 @@ POSITIONAL_QUERIES = 3  # prefix tokens per context for d y/d p and the exact sh
 
 
 def real_checks(model: Any, spec, weights, cap: ContextCapture, layer: int, context: int,
-                seed: int, *, claims: bool = True) -> dict:
+                seed: int, *, claims: bool = True, raw: dict | None = None) -> dict:
     """:mod:`ropestep.realchecks` on one context at one layer (docs/math.md sections 1, 3, 5, 7).
     Always (every context of a run): ``positive_coefficients``, ``min c_ij > 0`` over every
     head, candidate and bank key.  With ``claims`` (the run's first context, once per layer
@@ -594,6 +597,8 @@ def real_checks(model: Any, spec, weights, cap: ContextCapture, layer: int, cont
       at shifted position ids, on seeded prefix tokens;
 
     The oracle rows (``exact_rows``) are :func:`oracle_job`'s, which :func:`run` schedules.
+    ``raw`` (with ``claims``): a dict that receives the model's side of ``conventions`` and the
+    frequencies of the positional checks (:func:`dump_model_item`).
     """
     from . import realchecks as rc
 
@@ -608,7 +613,9 @@ def real_checks(model: Any, spec, weights, cap: ContextCapture, layer: int, cont
                                                              pos_kv=pos_kv)}
     if not claims:
         return out
-    out["conventions"] = rc.conventions(model, layer, xp, pos_kv, head=head)
+    out["conventions"] = rc.conventions(model, layer, xp, pos_kv, head=head, record=raw)
+    if raw is not None and spec.rope.freqs is not None:
+        raw["inv_freq"] = torch.tensor(spec.rope.freqs, dtype=torch.float64)
     other = int(rng.integers(1, Q)) if Q > 1 else 0
     out["rank"] = rc.delta_m_rank(spec, weights, xq, pos_q,
                                   [(h, i) for h in range(spec.n_heads) for i in sorted({0, other})],
@@ -1076,9 +1083,11 @@ def run(cfg: Config, *, progress: bool = True, command: Sequence[str] | None = N
 
     ``loaded`` may pass an already loaded ``(model, tokenizer, provenance)`` (tests).
     ``dump_raw``: a directory that receives the raw tensors the ``reconstruction``, ``reuse``,
-    ``calibration``, ``descent`` and ``fast`` sections are computed from (:func:`dump_layer`,
-    :func:`dump_item`, :func:`write_raw_manifest`; docs/protocol.md section 12); the report is
-    the same with or without it.
+    ``calibration``, ``descent`` and ``fast`` sections and the ``contexts`` are computed from
+    (:func:`dump_layer`, :func:`dump_item`, :func:`dump_context`, :func:`write_raw_manifest`;
+    docs/protocol.md section 12); the report is the same with or without it.  The model's
+    side of the ``real_heads`` conventions and positional checks goes to
+    :func:`dump_model_item` (section 12.10).
     """
     from . import models
 
@@ -1135,6 +1144,7 @@ def run(cfg: Config, *, progress: bool = True, command: Sequence[str] | None = N
             cap = capture_context(model, blk, layers, cfg.queries, excl)
             t_cap += time.perf_counter() - t
             if dump_raw is not None:
+                dump_context(dump_raw, c, cap)
                 for L in layers:
                     dump_item(dump_raw, c, L, cap, DTYPES[cfg.dtype])
             t = time.perf_counter()
@@ -1150,9 +1160,12 @@ def run(cfg: Config, *, progress: bool = True, command: Sequence[str] | None = N
                     pending.append((L, len(real[L]), job, oracle.submit(*job)))
                     t_inline += time.perf_counter() - t
                 t = time.perf_counter()
+                raw = {} if dump_raw is not None and c == 0 else None
                 real[L].append(real_checks(model, spec, w, cap, L, c, cfg.seed,
-                                           claims=(c == 0)))
+                                           claims=(c == 0), raw=raw))
                 t_real += time.perf_counter() - t
+                if raw:
+                    dump_model_item(dump_raw, c, L, raw, DTYPES[cfg.dtype])
             ctx_records.append(_context_record(c, blk, cap, tok))
             if bar is not None:
                 bar.update(1)
@@ -1303,6 +1316,31 @@ def dump_item(out: Path, context: int, layer: int, cap: ContextCapture,
     tensors.update(positions_bank=torch.arange(N), positions_query=torch.full((Q,), N),
                    candidates=torch.as_tensor(cap.candidates, dtype=torch.long))
     save_tensors(out / f"context{context}_layer{layer}.safetensors", tensors)
+
+
+def dump_context(out: Path, context: int, cap: ContextCapture) -> None:
+    """``context{c}.safetensors``: what the report's ``contexts[c]`` is computed from besides
+    the corpus and the tokenizer: the block's token ids ``ids (P,)`` (int64) and the model's
+    next-token logits at the last prefix position ``logits (vocab,)``, float32 as
+    :func:`_context_record` and the candidates' choice read them."""
+    save_tensors(out / f"context{context}.safetensors",
+                 {"ids": torch.as_tensor(cap.block.ids, dtype=torch.long),
+                  "logits": torch.as_tensor(cap.logits, dtype=torch.float32)})
+
+
+def dump_model_item(out: Path, context: int, layer: int, raw: dict,
+                    model_dtype: torch.dtype) -> None:
+    """``context{c}_layer{L}_model.safetensors`` (the context of the ``real_heads`` claims):
+    what :func:`real_checks` read of the model itself -- its attention module's rotated
+    ``query (H, N, d)``, ``key (H_kv, N, d)`` and ``value (H_kv, N, r)`` on the bank and the
+    tables ``rotary_cos``/``rotary_sin`` it was handed, in the model's dtype and head-dim order;
+    as float64 the ``scaling`` it passed, the tables' ``amplitude``, the rotary module's
+    ``inv_freq`` (``d/2``, ropestep's pair order), ``softcap`` (0: none); as int64
+    ``head_order`` (``d``: ropestep's dim ``c`` is the model's ``head_order[c]``) and
+    ``window`` (0: none)."""
+    floats = ("query", "key", "value", "rotary_cos", "rotary_sin")
+    tensors = {k: (v.to(model_dtype) if k in floats else v) for k, v in raw.items()}
+    save_tensors(out / f"context{context}_layer{layer}_model.safetensors", tensors)
 
 
 def write_raw_manifest(out: Path, result: dict, specs: dict[int, tuple[Any, Any]],

@@ -34,14 +34,16 @@ from .conventions import (LayerConventions, ModelInfo, check_config, check_layer
                           describe_model, layer_head, rope_tables)
 from .errors import ModelLoadError, UnsupportedModelError
 from .loading import (CACHE_MARKER, SMOLLM2_DISTRIBUTION, SMOLLM2_GGUF, SMOLLM2_PACKAGE,
-                      add_model_arguments, disable_tf32, gguf_cache_dir, gguf_cache_root,
-                      load_model, locate_smollm2_gguf)
+                      add_model_arguments, add_placement_arguments, disable_tf32,
+                      gguf_cache_dir, gguf_cache_root, load_model, locate_smollm2_gguf,
+                      placement)
 
 __all__ = [
     "BlockCapture", "CACHE_MARKER", "ContinuationCapture", "LayerCapture", "LayerConventions",
     "ModelInfo", "ModelLoadError", "SMOLLM2_DISTRIBUTION", "SMOLLM2_GGUF", "SMOLLM2_PACKAGE",
-    "UnsupportedModelError", "add_model_arguments", "capture", "capture_block",
+    "UnsupportedModelError", "add_model_arguments", "add_placement_arguments", "capture",
+    "capture_block",
     "capture_continuations", "check_config", "check_layer_index", "describe_model",
     "disable_tf32", "gguf_cache_dir", "gguf_cache_root", "layer_head", "load_model",
-    "locate_smollm2_gguf", "rope_tables", "top_candidates",
+    "locate_smollm2_gguf", "placement", "rope_tables", "top_candidates",
 ]

@@ -18,7 +18,7 @@ from .conventions import (LayerConventions, ModelInfo, _layout_tables, _partner,
                           _perm, _rotate, check_layer_index, describe_model, layer_tables)
 from .layouts import candidates as layout_candidates
 from .probe import AttentionRecord, recording
-from .structure import attention_module, layer_modules, output_projection
+from .structure import attention_module, layer_modules, offloaded, onloaded, output_projection
 
 
 def layer_parts(model: Any, layer: int, info: ModelInfo | None = None
@@ -28,8 +28,15 @@ def layer_parts(model: Any, layer: int, info: ModelInfo | None = None
     check_layer_index(info, layer)
     conv = info.layers[layer]
     attn = attention_module(layer_modules(model)[layer], info.name, layer)
-    parts = layout_candidates(attn, info.n_heads, info.n_kv_heads, info.head_dim,
-                              info.head_dim)[conv.layout]
+    if offloaded(attn):  # copies, read in through the offload hook (accelerate)
+        with onloaded(attn):
+            parts = {k: tuple(None if t is None else t.detach().clone() for t in wb)
+                     for k, wb in layout_candidates(attn, info.n_heads, info.n_kv_heads,
+                                                    info.head_dim, info.head_dim)[
+                                                        conv.layout].items()}
+    else:
+        parts = layout_candidates(attn, info.n_heads, info.n_kv_heads, info.head_dim,
+                                  info.head_dim)[conv.layout]
     return info, conv, attn, parts, output_projection(attn, info.name, layer)[1]
 
 

@@ -41,8 +41,8 @@ from .errors import UnsupportedModelError
 from .layouts import candidates as layout_candidates
 from .layouts import project as project_part
 from .probe import AttentionRecord, probe_forward
-from .structure import (attention_module, layer_modules, model_name, output_projection,
-                        rotary_modules)
+from .structure import (attention_module, layer_modules, model_name, onloaded,
+                        output_projection, rotary_modules)
 
 F64 = torch.float64
 PROBE_TOKENS = 24  # tokens of the reading forward (windows below it are checked on the mask)
@@ -358,7 +358,13 @@ def _eager_reference(r: AttentionRecord, allowed: torch.Tensor, scaling: float,
 
 
 def read_layer(model: Any, info: ModelInfo, L: int, r: AttentionRecord) -> LayerConventions:
-    """Read and check one layer's conventions from its probe record (module docstring)."""
+    """Read and check one layer's conventions from its probe record (module docstring); the
+    layer's offloaded weights, if any, are brought in for the reading (:class:`onloaded`)."""
+    with onloaded(attention_module(layer_modules(model)[L], info.name, L)):
+        return _read_layer(model, info, L, r)
+
+
+def _read_layer(model: Any, info: ModelInfo, L: int, r: AttentionRecord) -> LayerConventions:
     who = info.name
     attn = attention_module(layer_modules(model)[L], who, L)
     out_name, out_lin = output_projection(attn, who, L)
@@ -699,41 +705,42 @@ def layer_head(model: Any, layer: int, n_positions: int, *, dtype: torch.dtype =
             "denominator), which the layer paths do not model")
     attn = attention_module(layer_modules(model)[layer], who, layer)
     H, Hk, d, m = info.n_heads, info.n_kv_heads, info.head_dim, info.hidden
-    parts = layout_candidates(attn, H, Hk, d, d)[conv.layout]
-    _, out = output_projection(attn, who, layer)
-    cos, sin = rope_tables(model, n_positions, layer, info=info)
-    perm = _perm(conv, d)
+    with onloaded(attn):  # offloaded weights (accelerate) are read in, for this layer only
+        parts = layout_candidates(attn, H, Hk, d, d)[conv.layout]
+        _, out = output_projection(attn, who, layer)
+        cos, sin = rope_tables(model, n_positions, layer, info=info)
+        perm = _perm(conv, d)
 
-    def w(part: tuple, heads: int, rotated: bool) -> torch.Tensor:  # (out, in) -> (m, heads, d)
-        wt = part[0].detach().T.reshape(m, heads, d)
-        if rotated:
-            wt = wt[..., perm]
-        return wt.to(device=device, dtype=dtype).contiguous()
+        def w(part: tuple, heads: int, rotated: bool) -> torch.Tensor:  # (out, in) -> (m, heads, d)
+            wt = part[0].detach().T.reshape(m, heads, d)
+            if rotated:
+                wt = wt[..., perm]
+            return wt.to(device=device, dtype=dtype).contiguous()
 
-    def b(part: tuple, heads: int, rotated: bool) -> torch.Tensor | None:
-        if part[1] is None:
-            return None
-        bt = part[1].detach().reshape(heads, d)
-        if rotated:
-            bt = bt[..., perm]
-        return bt.to(device=device, dtype=dtype).contiguous()
+        def b(part: tuple, heads: int, rotated: bool) -> torch.Tensor | None:
+            if part[1] is None:
+                return None
+            bt = part[1].detach().reshape(heads, d)
+            if rotated:
+                bt = bt[..., perm]
+            return bt.to(device=device, dtype=dtype).contiguous()
 
-    weights = HeadWeights(
-        w_q=w(parts["q"], H, True), w_k=w(parts["k"], Hk, True), w_v=w(parts["v"], Hk, False),
-        b_q=b(parts["q"], H, True), b_k=b(parts["k"], Hk, True), b_v=b(parts["v"], Hk, False),
-        w_o=out.weight.detach().T.reshape(H, d, m).to(device=device, dtype=dtype).contiguous(),
-        b_o=None if out.bias is None else out.bias.detach().to(device=device, dtype=dtype),
-    )
-    norm_eps = 1e-6
-    if conv.qk_norm:
-        full = conv.norm_scope == "all"
-        gq, _ = _norm_weight(attn.q_norm, H * d if full else d, f"{who}: layer {layer} q_norm")
-        gk, _ = _norm_weight(attn.k_norm, Hk * d if full else d, f"{who}: layer {layer} k_norm")
-        if full:
-            gq, gk = gq.view(H, d), gk.view(Hk, d)
-        weights.q_norm = gq[..., perm].to(device=device, dtype=dtype)
-        weights.k_norm = gk[..., perm].to(device=device, dtype=dtype)
-        norm_eps = conv.norm_eps
+        weights = HeadWeights(
+            w_q=w(parts["q"], H, True), w_k=w(parts["k"], Hk, True), w_v=w(parts["v"], Hk, False),
+            b_q=b(parts["q"], H, True), b_k=b(parts["k"], Hk, True), b_v=b(parts["v"], Hk, False),
+            w_o=out.weight.detach().T.reshape(H, d, m).to(device=device, dtype=dtype).contiguous(),
+            b_o=None if out.bias is None else out.bias.detach().to(device=device, dtype=dtype),
+        )
+        norm_eps = 1e-6
+        if conv.qk_norm:
+            full = conv.norm_scope == "all"
+            gq, _ = _norm_weight(attn.q_norm, H * d if full else d, f"{who}: layer {layer} q_norm")
+            gk, _ = _norm_weight(attn.k_norm, Hk * d if full else d, f"{who}: layer {layer} k_norm")
+            if full:
+                gq, gk = gq.view(H, d), gk.view(Hk, d)
+            weights.q_norm = gq[..., perm].to(device=device, dtype=dtype)
+            weights.k_norm = gk[..., perm].to(device=device, dtype=dtype)
+            norm_eps = conv.norm_eps
     freqs = None  # the rotary module's own frequencies (0 on pass-through pairs)
     if conv.rotary_dim == 0 or conv.inv_freq:
         freqs = tuple(conv.inv_freq) + (0.0,) * (d // 2 - len(conv.inv_freq))

@@ -98,7 +98,8 @@ def _load_error(source: str, err: BaseException, is_local: bool) -> ModelLoadErr
 def load_model(source: str | os.PathLike, *, revision: str | None = None,
                gguf_file: str | None = None, dtype: torch.dtype = torch.float32,
                device: str | torch.device = "cpu", device_map: Any = None,
-               tokenizer: bool = True) -> tuple[Any, Any]:
+               tokenizer: bool = True, max_memory: dict | None = None,
+               offload_folder: str | os.PathLike | None = None) -> tuple[Any, Any]:
     """Load ``(model, tokenizer)`` for the exact-layer checks.
 
     ``source`` is a hub id (``revision`` pins a commit), a local directory (config.json +
@@ -107,6 +108,9 @@ def load_model(source: str | os.PathLike, *, revision: str | None = None,
     eval mode with ``attn_implementation="eager"``; TF32 is switched off.  The config is read and
     checked first (:func:`check_config`), so an unsupported model fails before its weights load.
     ``tokenizer=False`` skips the tokenizer (returns ``None``), e.g. for a directory without one.
+    ``device_map``, ``max_memory`` and ``offload_folder`` go to accelerate's big-model inference
+    (:func:`placement`): weights beyond the budget stay on disk (or CPU) and are brought in, a
+    layer at a time, for the forward and for the checks' reading of that layer.
 
     Raises :class:`ModelLoadError` (hub unreachable, unknown id, missing path) and
     :class:`UnsupportedModelError` (conventions the exact layer does not model).
@@ -132,6 +136,10 @@ def load_model(source: str | os.PathLike, *, revision: str | None = None,
     mkw = dict(kw, dtype=dtype, attn_implementation="eager")
     if device_map is not None:
         mkw["device_map"] = device_map
+    if max_memory is not None:
+        mkw["max_memory"] = max_memory
+    if offload_folder is not None:
+        mkw["offload_folder"] = os.fspath(offload_folder)
     cached = gguf_cache_dir(Path(name) / gguf, dtype) if gguf is not None else None
     try:
         if cached is not None and (cached / CACHE_MARKER).is_file():
@@ -175,6 +183,68 @@ def add_model_arguments(p: Any) -> None:
                         "heads also reads a train-families checkpoint, <variant>.safetensors)")
     p.add_argument("--revision", default=None, help="hub revision of --model")
     p.add_argument("--gguf", default=None, metavar="FILE", help="GGUF file inside --model")
+
+
+def add_placement_arguments(p: Any) -> None:
+    """``--device-map``, ``--max-memory``, ``--offload-folder``: big models on small machines
+    (accelerate's big-model inference; :func:`placement`)."""
+    p.add_argument("--device-map", default=None, metavar="auto|cpu|cuda",
+                   help="place the model's modules with accelerate: 'auto' fills --max-memory "
+                        "device by device and offloads the rest to disk; 'cpu'/'cuda' put it "
+                        "all there [the whole model on --device]")
+    p.add_argument("--max-memory", default=None, metavar="DEV=SIZE[,DEV=SIZE]",
+                   help="per-device weight budget for --device-map auto, e.g. cpu=2GiB or "
+                        "0=20GiB,cpu=8GiB (implies --device-map auto)")
+    p.add_argument("--offload-folder", default=None, metavar="DIR",
+                   help="where weights beyond --max-memory are kept on disk [a temporary "
+                        "directory, removed at exit]")
+
+
+def placement(device_map: str | None, max_memory: str | None, offload_folder: str | None
+              ) -> dict | None:
+    """The keyword arguments of :func:`load_model` for ``--device-map``/``--max-memory``/
+    ``--offload-folder`` (None: the whole model on one device), checked: a bad value raises
+    :class:`ModelLoadError` naming it."""
+    if device_map is None and max_memory is None:
+        if offload_folder is not None:
+            raise ModelLoadError("--offload-folder needs --max-memory or --device-map auto")
+        return None
+    dm = device_map or "auto"
+    if dm not in ("auto", "cpu", "cuda"):
+        raise ModelLoadError(f"--device-map must be auto, cpu or cuda, got {dm!r}")
+    if dm == "cuda" and not torch.cuda.is_available():
+        raise ModelLoadError("--device-map cuda: no CUDA device is available")
+    out: dict = {"device_map": dm if dm == "auto" else {"": dm}}
+    if max_memory is not None:
+        if dm != "auto":
+            raise ModelLoadError(f"--max-memory needs --device-map auto (got {dm})")
+        from accelerate.utils import convert_file_size_to_int
+
+        budget: dict = {}
+        for item in str(max_memory).split(","):
+            dev, eq, size = item.strip().partition("=")
+            dev = dev.strip()
+            key: Any = int(dev) if dev.isdigit() else dev
+            if not eq or not (key in ("cpu", "disk") or isinstance(key, int)
+                              or dev.startswith("cuda:")):
+                raise ModelLoadError(f"--max-memory {max_memory!r}: each entry is DEVICE=SIZE "
+                                     "with DEVICE cpu, disk, a CUDA index or cuda:N")
+            size = size.strip()
+            try:  # plain bytes ("1048576", "1048576B") or accelerate's units (MiB, GB, ...)
+                n = int(size.rstrip("B")) if size.rstrip("B").isdigit() else \
+                    convert_file_size_to_int(size)
+            except (ValueError, TypeError):
+                n = -1
+            if n <= 0:
+                raise ModelLoadError(f"--max-memory {max_memory!r}: {size!r} is not a positive "
+                                     "size (e.g. 512MiB, 2GiB, 1.5GB, 1048576)")
+            if isinstance(key, str) and key.startswith("cuda:"):
+                key = int(key[5:]) if key[5:].isdigit() else key
+            budget[key] = n
+        out["max_memory"] = budget
+    if offload_folder is not None:
+        out["offload_folder"] = offload_folder
+    return out
 
 
 CACHE_MARKER = "ropestep-gguf-cache.json"

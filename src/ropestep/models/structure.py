@@ -80,3 +80,36 @@ def rotary_modules(model: Any) -> list[tuple[str, Any]]:
     """``(name, module)`` of the decoder's rotary embeddings (in definition order)."""
     base = decoder(model)
     return [(n, c) for n, c in base.named_children() if "Rotary" in type(c).__name__]
+
+
+def offloaded(module: Any) -> bool:
+    """True when some parameter of ``module`` (or of a child) lives off the module, offloaded by
+    accelerate's big-model inference (``device_map`` with ``max_memory``: on the ``meta`` device,
+    its data in a CPU or disk weights map, brought in by a hook only for the forward)."""
+    return any(getattr(getattr(m, "_hf_hook", None), "offload", False) for m in module.modules())
+
+
+class onloaded:
+    """``with onloaded(module):`` every offloaded parameter of ``module`` and its children is
+    brought in (accelerate's ``align_module_device``: the same hook the forward uses) and put
+    back afterwards, so a layer's weights are read as the model holds them -- and held only for
+    that layer.  A module without offloaded parameters is left as it is."""
+
+    def __init__(self, module: Any):
+        self.module = module
+        self.stack = None
+
+    def __enter__(self) -> Any:
+        import contextlib
+
+        self.stack = contextlib.ExitStack()
+        if offloaded(self.module):
+            from accelerate.utils import align_module_device
+
+            for m in self.module.modules():
+                if getattr(getattr(m, "_hf_hook", None), "offload", False):
+                    self.stack.enter_context(align_module_device(m))
+        return self.module
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stack.close()
