@@ -88,3 +88,19 @@ def test_placement_keywords():
     got = models.placement(None, "cpu=1GiB,0=2GiB,cuda:1=3GB", "/x")
     assert got == {"device_map": "auto", "offload_folder": "/x",
                    "max_memory": {"cpu": 2 ** 30, 0: 2 * 2 ** 30, 1: 3 * 10 ** 9}}
+
+
+def test_offloaded_heads_is_the_in_memory_heads(big_dir, tmp_path):
+    """``ropestep heads`` reads every layer's W_q and W_k: through the offload hook when the
+    layer is on disk, the same numbers."""
+    size = sum(f.stat().st_size for f in big_dir.glob("*.safetensors"))
+    reports = []
+    for name, extra in (("whole", []), ("off", ["--max-memory", f"cpu={size // 3}"])):
+        assert cli.main(["heads", "--model", str(big_dir), "--quiet", "--no-figures", "--out",
+                         str(tmp_path / name), *extra]) == 0
+        reports.append(json.loads((tmp_path / name / "report.json").read_text()))
+    whole, off = reports
+    assert off["environment"]["placement"]["modules_per_device"].get("disk", 0) >= 1
+    skip = ("environment", "timing_seconds", "peak_rss_mib", "command")
+    assert {k: v for k, v in whole.items() if k not in skip} == \
+        {k: v for k, v in off.items() if k not in skip}

@@ -758,7 +758,7 @@ def run(cfg: AtlasConfig, *, progress: bool = True, command: Sequence[str] | Non
         "timing_seconds": timers,
         "run": {"world_size": world,
                 "resumed_items": sum(p.get("resumed", 0) for p in parts),
-                "placement": _placement_record(model, placement),
+                "placement": models.placement_record(model, placement),
                 "rank_items": {str(p["rank"]): [[c, L] for c, L, _ in p["done"]] for p in parts},
                 "rank_timing_seconds": {str(p["rank"]): p["timers"] for p in parts}},
         "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0,
@@ -769,22 +769,6 @@ def run(cfg: AtlasConfig, *, progress: bool = True, command: Sequence[str] | Non
     if dump_raw is not None:
         write_raw_manifest(dump_raw, result, specs, items)
     return result
-
-
-def _placement_record(model: Any, placement: dict | None) -> dict:
-    """Where the model's modules were placed: the whole model on one device, or accelerate's
-    map (modules per device, ``disk`` for offloaded ones) and the budget it was given."""
-    dmap = getattr(model, "hf_device_map", None)
-    if not placement or not dmap:
-        return {"device_map": None}
-    where: dict[str, int] = {}
-    for dev in dmap.values():
-        where[str(dev)] = where.get(str(dev), 0) + 1
-    mm = placement.get("max_memory")
-    return {"device_map": placement["device_map"] if isinstance(placement["device_map"], str)
-            else next(iter(placement["device_map"].values())),
-            "max_memory": None if mm is None else {str(k): int(v) for k, v in mm.items()},
-            "modules_per_device": dict(sorted(where.items()))}
 
 
 def _portable(prov: dict) -> dict:

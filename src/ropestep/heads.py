@@ -53,7 +53,9 @@ from __future__ import annotations
 import contextlib
 import math
 import resource
+import shutil
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any, Sequence
@@ -405,10 +407,11 @@ def _quiet_loading():
     return _quiet_gguf_progress()
 
 
-def load(model: str, *, revision: str | None = None, gguf: str | None = None
-         ) -> tuple[Any, dict]:
+def load(model: str, *, revision: str | None = None, gguf: str | None = None,
+         placement: dict | None = None) -> tuple[Any, dict]:
     """Load ``model`` (``"smollm2"``, a local directory, a ``.gguf`` file or a hub id) in float32
-    without a tokenizer; return ``(model, provenance)`` with file names and sha256 only."""
+    without a tokenizer; return ``(model, provenance)`` with file names and sha256 only.
+    ``placement``: accelerate's big-model placement (:func:`ropestep.models.placement`)."""
     from . import families, models
 
     source = model
@@ -427,7 +430,7 @@ def load(model: str, *, revision: str | None = None, gguf: str | None = None
         source = str(models.locate_smollm2_gguf())
     with _quiet_loading():
         m, _ = models.load_model(source, revision=revision, gguf_file=gguf, dtype=torch.float32,
-                                 device="cpu", tokenizer=False)
+                                 device="cpu", tokenizer=False, **(placement or {}))
     prov: dict = {"argument": portable_name(model), "source": portable_name(source),
                   "revision": revision,
                   "commit_hash": getattr(m.config, "_commit_hash", None),
@@ -437,10 +440,12 @@ def load(model: str, *, revision: str | None = None, gguf: str | None = None
 
 def run(model: str, *, layers: str = "all", revision: str | None = None, gguf: str | None = None,
         base_range: tuple[float, float] = BASE_RANGE, command: Sequence[str] | None = None,
-        loaded: tuple[Any, dict] | None = None, dump_raw: Path | None = None) -> dict:
+        loaded: tuple[Any, dict] | None = None, dump_raw: Path | None = None,
+        placement: dict | None = None) -> dict:
     """Load (unless ``loaded = (model, provenance)`` is given), diagnose, and return the report.
     ``dump_raw``: a directory that receives what every number of the report is computed from
     (:func:`dump_layer`, :func:`write_raw_manifest`; the report is the same without it)."""
+    from . import models
     from .protocol import environment
 
     bmin, bmax = float(base_range[0]), float(base_range[1])
@@ -450,7 +455,8 @@ def run(model: str, *, layers: str = "all", revision: str | None = None, gguf: s
     if isinstance(layers, str) and layers.strip().lower() not in ("all", "last"):
         parse_layers(layers, sys.maxsize)  # the syntax, before a model is loaded
     t0 = time.perf_counter()
-    m, prov = load(model, revision=revision, gguf=gguf) if loaded is None else loaded
+    m, prov = load(model, revision=revision, gguf=gguf, placement=placement) \
+        if loaded is None else loaded
     t1 = time.perf_counter()
     from .families import GPT
 
@@ -472,7 +478,8 @@ def run(model: str, *, layers: str = "all", revision: str | None = None, gguf: s
         "frequency_axis": res["frequency_axis"],
         "summary": res["summary"],
         "layers": res["layers"],
-        "environment": environment("cpu"),
+        "environment": {**environment("cpu"),
+                        "placement": models.placement_record(m, placement)},
         "timing_seconds": {"load_model": t1 - t0, "diagnose": t2 - t1},
         "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0,
         "verdict": {"passed": not fl, "failed": [f.as_dict() for f in fl]},
@@ -693,9 +700,10 @@ def write_report(result: dict, out: Path, *, figures: bool = True) -> None:
 # command line
 # ---------------------------------------------------------------------------------------------
 def add_arguments(p) -> None:
-    from .models import add_model_arguments
+    from .models import add_model_arguments, add_placement_arguments
 
     add_model_arguments(p)
+    add_placement_arguments(p)
     p.add_argument("--layers", default="all", metavar="all|a,b|last", help="layers [all]")
     p.add_argument("--base-min", type=float, default=BASE_RANGE[0],
                    help="smallest suggested base b(0) [1e3]")
@@ -728,17 +736,27 @@ def main_args(args, argv: Sequence[str]) -> int:
     dump_raw = None if args.dump_raw is None else Path(args.dump_raw)
     if dump_raw is not None and dump_raw.exists() and not dump_raw.is_dir():
         return bad(HeadsError(f"--dump-raw {args.dump_raw}: exists and is not a directory"))
+    try:
+        place = models.placement(args.device_map, args.max_memory, args.offload_folder)
+    except models.ModelLoadError as err:
+        return bad(err)
+    scratch = None
+    if place is not None and place["device_map"] == "auto" and "offload_folder" not in place:
+        scratch = tempfile.mkdtemp(prefix="ropestep-offload-")  # removed below
+        place["offload_folder"] = scratch
     threads = torch.get_num_threads()
     torch.set_num_threads(args.threads)
     try:
         result = run(args.model, layers=args.layers, revision=args.revision, gguf=args.gguf,
                      base_range=(args.base_min, args.base_max), command=["ropestep", *argv],
-                     dump_raw=dump_raw)
+                     dump_raw=dump_raw, placement=place)
         write_report(result, out, figures=not args.no_figures)
     except (HeadsError, models.ModelLoadError, models.UnsupportedModelError) as err:
         return bad(err)
     finally:
         torch.set_num_threads(threads)
+        if scratch is not None:
+            shutil.rmtree(scratch, ignore_errors=True)
     if not args.quiet:
         s = result["summary"]
         print(f"{result['model']['name']}: cond(W_q) median {num(s['cond_w_q']['median'])}, "

@@ -180,7 +180,8 @@ def _device_dtype(model: Any) -> tuple[Any, torch.dtype]:
 # 1. conventions: the model's own projections, RoPE and GQA against ropestep's
 # ---------------------------------------------------------------------------------------------
 def conventions(model: Any, layer: int, x: Any, positions: Any, *,
-                head: tuple[HeadSpec, HeadWeights] | None = None) -> dict:
+                head: tuple[HeadSpec, HeadWeights] | None = None,
+                record: dict | None = None) -> dict:
     """Rotated queries, rotated keys and values per query head: the model's way against ropestep's
     (docs/math.md section 1).
 
@@ -210,6 +211,13 @@ def conventions(model: Any, layer: int, x: Any, positions: Any, *,
     to an ulp -- two roundings of a positive number each, so the two differ by at most
     ``gamma_2 + gamma_2 <= gamma_4``, in any order of evaluation).  A wrong pairing moves a rotated vector by O(1) at every position but
     0, a wrong GQA map by O(1) on the heads it misroutes.
+
+    ``record``: a dict that receives what the model side computed (for ``--dump-raw``; the
+    result is the same without it): the module's own rotated ``query (H, n, d)`` and ``key
+    (H_kv, n, d)`` and its ``value (H_kv, n, r)`` (model dtype, model head-dim order), the tables
+    it was handed (``rotary_cos``/``rotary_sin``, ``(n, R)``), the ``scaling`` it passed,
+    ``head_order`` (model head-dim order to ropestep's), and the layer's ``amplitude``,
+    ``softcap`` and ``window`` (0 for none).
     """
     info, conv, parts = _model_parts(model, layer)
     xt = _x(x, info.hidden)
@@ -316,6 +324,18 @@ def conventions(model: Any, layer: int, x: Any, positions: Any, *,
     scale = {"model": sc_model, "spec": sc_spec, "rel": sc_rel,
              "tolerance": sc_tol, "ok": within(sc_rel, sc_tol)}
     ok = all(r_["ok"] for r_ in heads) and scale["ok"]
+    if record is not None:
+        def scalar(v: float, dt: torch.dtype = F64) -> torch.Tensor:
+            return torch.tensor([v], dtype=dt)
+
+        record.update(query=rec.query[0], key=rec.key[0], value=rec.value[0],
+                      scaling=scalar(float(d ** -0.5 if sc_run is None else sc_run)),
+                      head_order=perm.to(torch.int64), amplitude=scalar(float(a)),
+                      softcap=scalar(float(conv.softcap or 0.0)),
+                      window=scalar(int(conv.window or 0), torch.int64))
+        if conv.rotary:
+            record.update(rotary_cos=rec.cos.reshape(-1, rec.cos.shape[-1]),
+                          rotary_sin=rec.sin.reshape(-1, rec.sin.shape[-1]))
     return {
         "check": "conventions", "layer": int(layer), "model_dtype": str(mdt).replace("torch.", ""),
         "tokens": n, "positions": [int(pos.min()), int(pos.max())],

@@ -247,6 +247,22 @@ def placement(device_map: str | None, max_memory: str | None, offload_folder: st
     return out
 
 
+def placement_record(model: Any, placement: dict | None) -> dict:
+    """Where the model's modules were placed: the whole model on one device, or accelerate's
+    map (modules per device, ``disk`` for offloaded ones) and the budget it was given."""
+    dmap = getattr(model, "hf_device_map", None)
+    if not placement or not dmap:
+        return {"device_map": None}
+    where: dict[str, int] = {}
+    for dev in dmap.values():
+        where[str(dev)] = where.get(str(dev), 0) + 1
+    mm = placement.get("max_memory")
+    return {"device_map": placement["device_map"] if isinstance(placement["device_map"], str)
+            else next(iter(placement["device_map"].values())),
+            "max_memory": None if mm is None else {str(k): int(v) for k, v in mm.items()},
+            "modules_per_device": dict(sorted(where.items()))}
+
+
 CACHE_MARKER = "ropestep-gguf-cache.json"
 
 
