@@ -180,3 +180,13 @@ def test_another_fingerprint_and_foreign_directories_are_refused(tmp_path):
     assert (tmp_path / "other" / "notes.txt").read_text() == "mine"
     with pytest.raises(ValueError, match="finite JSON"):
         runstate.open_run(tmp_path / "r2", {"x": float("nan")}, resume=False)
+
+
+def test_validate_progress_lines_off_a_terminal(model_dir, tmp_path, capsys):
+    """``ropestep validate`` off a terminal: one line per finished context."""
+    assert cli.main(["validate", "--model", str(model_dir), "--contexts", "2", "--queries", "3",
+                     "--prefix-len", "24", "--layers", "0", "--heads", "0", "--exact-rows", "0",
+                     "--no-figures", "--out", str(tmp_path / "v")]) == 0
+    lines = [ln for ln in capsys.readouterr().err.splitlines() if ": context " in ln]
+    assert [ln.split(": context ")[1].split(" done")[0] for ln in lines] == ["0", "1"], lines
+    assert lines[-1].split("(")[1].startswith("2/2)") and lines[-1].endswith(" s left"), lines

@@ -49,6 +49,7 @@ from .dist import (broadcast_from_rank0, exit_worker, finish, gather_to_rank0,
                    init_distributed, shard_contiguous, under_launcher)
 from .kernel import augment, transform
 from .provenance import portable_command, portable_config, portable_name
+from .runstate import Progress
 from .rope import apply_rope
 from .spec import HeadSpec, HeadWeights, RoPESpec
 from .verdict import device_problem, input_error, output_and_threads_problem
@@ -504,63 +505,8 @@ def check_config(cfg: AtlasConfig) -> None:
         raise AtlasError(f"--max-bytes must be at least 1 MiB, got {cfg.max_bytes}")
 
 
-class _Progress:
-    """Progress over the work items: a tqdm bar on a terminal; off a terminal (CI, batch jobs,
-    ``nohup``) one line per finished item on stderr, with the elapsed time and an estimate of
-    what remains (the mean time per item computed so far, times the items left).  Disabled
-    (``--quiet``, ranks other than 0): nothing."""
-
-    def __init__(self, total: int, enabled: bool, desc: str, stream: Any = None):
-        self.total, self.desc, self.count, self.skip = total, desc, 0, 0
-        self.stream = sys.stderr if stream is None else stream
-        self.t0 = time.perf_counter()
-        self.bar = None
-        self.lines = False
-        if not enabled:
-            return
-        isatty = getattr(self.stream, "isatty", None)
-        if isatty is not None and isatty():
-            try:
-                from tqdm.auto import tqdm
-                self.bar = tqdm(total=total, desc=desc, unit="item", file=self.stream,
-                                leave=False)
-                return
-            except ImportError:  # pragma: no cover - tqdm is in the model extra
-                pass
-        self.lines = True
-
-    def skipped(self, n: int) -> None:
-        """``n`` items read back from a run directory (counted done, not timed)."""
-        self.skip += n
-        self.count += n
-        if self.bar is not None:
-            self.bar.update(n)
-        elif self.lines and n:
-            self.stream.write(f"{self.desc}: {n} of {self.total} items read back from the run "
-                              "directory\n")
-            self.stream.flush()
-
-    def __call__(self, context: int, layer: int) -> None:
-        self.count += 1
-        if self.bar is not None:
-            self.bar.update(1)
-            self.bar.set_postfix(context=context, layer=layer)
-        elif self.lines:
-            el = time.perf_counter() - self.t0
-            computed = self.count - self.skip
-            left = el / computed * (self.total - self.count)
-            self.stream.write(f"{self.desc}: context {context} layer {layer} done "
-                              f"({self.count}/{self.total}), {el:.1f} s elapsed, ~{left:.0f} s "
-                              "left\n")
-            self.stream.flush()
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
-
-
-def _progress(total: int, enabled: bool, desc: str) -> _Progress:
-    return _Progress(total, enabled, desc)
+def _progress(total: int, enabled: bool, desc: str) -> Progress:
+    return Progress(total, enabled, desc)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -707,7 +653,7 @@ def run(cfg: AtlasConfig, *, progress: bool = True, command: Sequence[str] | Non
             done.append((c, L, res))
             if state is not None:
                 state.save(_item_key(c, L), *_result_to_arrays(res, c, specs[L][1]))
-            report_item(c, L)
+            report_item(context=c, layer=L)
         del caps
     report_item.close()
     done.sort(key=lambda t: (t[0], t[1]))

@@ -36,7 +36,6 @@ import math
 import os
 import pickle
 import platform
-import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -49,6 +48,7 @@ from . import __version__, fast
 from . import reuse_stats as rs
 from .verdict import Failure, device_problem, encode, finite, least, worst
 from .provenance import model_files, portable_command, portable_config, portable_name
+from .runstate import Progress
 from .corpus import Block, CorpusError, load_corpus, select_blocks, tokenizer_fn
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -1167,8 +1167,7 @@ def run(cfg: Config, *, progress: bool = True, command: Sequence[str] | None = N
                 if raw:
                     dump_model_item(dump_raw, c, L, raw, DTYPES[cfg.dtype])
             ctx_records.append(_context_record(c, blk, cap, tok))
-            if bar is not None:
-                bar.update(1)
+            bar(context=c)
         # the oracle rows: what is still running once the torch work is done is waited for here
         t = time.perf_counter()
         for L, k, job, fut in pending:
@@ -1181,8 +1180,7 @@ def run(cfg: Config, *, progress: bool = True, command: Sequence[str] | None = N
         t_exact = t_inline + time.perf_counter() - t
     finally:
         oracle.close()
-        if bar is not None:
-            bar.close()
+        bar.close()
     timings["capture_s"], timings["evaluate_s"] = t_cap, t_eval
     # exact_oracle_s: wall time the run spent on the oracle rows (computed inline, or waited for
     # from the side process); exact_oracle_cpu_s: the oracle's own time wherever it ran
@@ -1360,12 +1358,6 @@ def write_raw_manifest(out: Path, result: dict, specs: dict[int, tuple[Any, Any]
                                     + "\n", encoding="utf-8")
 
 
-def _progress(n: int, enabled: bool, desc: str):
-    if not enabled:
-        return None
-    try:
-        from tqdm.auto import tqdm
-    except ImportError:  # pragma: no cover - tqdm is in the 'model' extra
-        return None
-    return tqdm(total=n, desc=desc, unit="context", file=sys.stderr, disable=None,
-                dynamic_ncols=True, leave=False)
+def _progress(n: int, enabled: bool, desc: str) -> Progress:
+    """A bar on a terminal; off one, a line per finished context (:class:`ropestep.runstate.Progress`)."""
+    return Progress(n, enabled, desc, unit="context")

@@ -207,9 +207,10 @@ def conventions(model: Any, layer: int, x: Any, positions: Any, *,
     ``max(bound) / max|model|``.  Both sides read the same ``dtype``-rounded ``x`` and the same
     RoPE table values (:func:`ropestep.models.layer_head` takes the model's own tables).  The
     score scale ``spec.score_scale(h)`` is compared with the module's ``scaling`` (relative,
-    ``nonnegative_ops_rel(4)``: each side is a square root and a quotient, or a power faithful
-    to an ulp -- two roundings of a positive number each, so the two differ by at most
-    ``gamma_2 + gamma_2 <= gamma_4``, in any order of evaluation).  A wrong pairing moves a rotated vector by O(1) at every position but
+    ``nonnegative_ops_rel(8)``: each side is a square root and a quotient, or a power faithful
+    to an ulp -- two roundings of a positive number each -- and the model's side is further
+    multiplied by the tables' amplitude squared (YaRN/LongRoPE's ``a``: two more roundings), so
+    the two differ by at most ``gamma_4 + gamma_4 <= gamma_8``, in any order of evaluation).  A wrong pairing moves a rotated vector by O(1) at every position but
     0, a wrong GQA map by O(1) on the heads it misroutes.
 
     ``record``: a dict that receives what the model side computed (for ``--dump-raw``; the

@@ -1,5 +1,6 @@
-"""A run directory that outlives its process: finished work items, kept as they complete, so that
-a killed run can be resumed (``--run-dir``, ``--resume`` of ``ropestep atlas``).
+"""Run plumbing: progress that reaches a log (:class:`Progress`), and a run directory that
+outlives its process -- finished work items, kept as they complete, so that a killed run can be
+resumed (``--run-dir``, ``--resume`` of ``ropestep atlas``).
 
 A run directory holds ``run.json`` -- the run's *fingerprint*: its schema, the full configuration
 and the model's provenance with the sha256 of its files -- and one pair of files per finished
@@ -23,7 +24,9 @@ import json
 import os
 import re
 import shutil
+import sys
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -151,3 +154,60 @@ def open_run(path: str | Path, fingerprint: dict, *, resume: bool) -> RunDir:
     text = _canonical(fingerprint).encode()
     _atomic_write(man, lambda f: f.write(text))
     return RunDir(path, fingerprint, resumed=False)
+
+
+class Progress:
+    """Progress over the work items: a tqdm bar on a terminal; off a terminal (CI, batch jobs,
+    ``nohup``) one line per finished item on stderr, with the elapsed time and an estimate of
+    what remains (the mean time per item computed so far, times the items left).  Disabled
+    (``--quiet``, ranks other than 0): nothing."""
+
+    def __init__(self, total: int, enabled: bool, desc: str, stream: Any = None,
+                 unit: str = "item"):
+        self.total, self.desc, self.count, self.skip, self.unit = total, desc, 0, 0, unit
+        self.stream = sys.stderr if stream is None else stream
+        self.t0 = time.perf_counter()
+        self.bar = None
+        self.lines = False
+        if not enabled:
+            return
+        isatty = getattr(self.stream, "isatty", None)
+        if isatty is not None and isatty():
+            try:
+                from tqdm.auto import tqdm
+                self.bar = tqdm(total=total, desc=desc, unit=unit, file=self.stream,
+                                dynamic_ncols=True, leave=False)
+                return
+            except ImportError:  # pragma: no cover - tqdm is in the model extra
+                pass
+        self.lines = True
+
+    def skipped(self, n: int) -> None:
+        """``n`` items read back from a run directory (counted done, not timed)."""
+        self.skip += n
+        self.count += n
+        if self.bar is not None:
+            self.bar.update(n)
+        elif self.lines and n:
+            self.stream.write(f"{self.desc}: {n} of {self.total} {self.unit}s read back from "
+                              "the run directory\n")
+            self.stream.flush()
+
+    def __call__(self, **where: Any) -> None:
+        """One more item done; ``where`` names it (``context=c, layer=L``)."""
+        self.count += 1
+        if self.bar is not None:
+            self.bar.update(1)
+            self.bar.set_postfix(**where)
+        elif self.lines:
+            el = time.perf_counter() - self.t0
+            computed = self.count - self.skip
+            left = el / computed * (self.total - self.count)
+            name = " ".join(f"{k} {v}" for k, v in where.items())
+            self.stream.write(f"{self.desc}: {name} done ({self.count}/{self.total}), "
+                              f"{el:.1f} s elapsed, ~{left:.0f} s left\n")
+            self.stream.flush()
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
