@@ -7,9 +7,12 @@ Every leaf of the report is accounted for: the leaves of a layer's ``reconstruct
 protocol's sizes, and the ``verdict``) are recomputed by the reference and compared under a
 tolerance derived for their kind of statistic (:class:`Derived`, :data:`FIELDS`); the run's
 description is an echo of the dump's manifest (equal to it); a few leaves are exempt
-(``EXEMPT``, ``LABELS``, ``VERDICT_LABELS``) and the sections not recomputed yet are
-``PENDING``, each with its reason.  A leaf that is none of these fails, so a field added to the
-report without a reference fails.  Counts and flags must be equal, which needs
+(``EXEMPT``, ``LABELS``, ``VERDICT_LABELS``); the top-level ``contexts`` and each layer's
+``real_heads`` are compared leaf by leaf by the modules that own their references
+(``DELEGATED``: tests/test_reference_contexts.py, tests/test_reference_real_heads.py,
+tests/test_reference_positional.py), called from here on the same run, and the verdict is
+recomputed over every check, the real-head ones included.  A leaf that is none of these fails,
+so a field added to the report without a reference fails -- a new real-head check too.  Counts and flags must be equal, which needs
 every decision behind them to lie clear of its threshold by more than the two sides' rounding:
 :func:`undecided` checks that on the data.  Planted one-line bugs (``MUTANTS``) must each turn
 the comparison red; the verdict's failure path, which the passing data never take, is
@@ -91,6 +94,7 @@ class Case:
     report: dict
     ref: reference.Reference
     seconds: dict
+    contexts: Any = None  # reference.contexts.Contexts of the run (tests/test_reference_contexts)
 
 
 def run_case(root: Path, args: list[str]) -> Case:
@@ -101,9 +105,12 @@ def run_case(root: Path, args: list[str]) -> Case:
                      "--dump-raw", str(root / "raw")]) == 0
     t1 = time.perf_counter()
     ref = reference.recompute(root / "raw")
+    from test_reference_contexts import contexts_reference
+
+    ctx = contexts_reference(root / "raw", args[args.index("--model") + 1])
     t2 = time.perf_counter()
     return Case(argv, root / "validate", load(root / "validate" / "report.json"), ref,
-                {"validate": t1 - t0, "reference": t2 - t1})
+                {"validate": t1 - t0, "reference": t2 - t1}, ctx)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -141,11 +148,11 @@ LABELS = ("descent/space", "descent/rule", "descent/query_space/space",  # secti
           "descent/query_space/rule", "descent/replication_style/space",
           "descent/replication_style/query", "calibration/distances/*",
           "reuse/heads_below_constant/rule")
-PENDING = {  # sections a reference does not recompute yet, with the reason
-    ("contexts",): "candidates, their texts, logits and ranks come from the model's logits, "
-                   "which the dump does not hold",
-    ("layers", "*", "real_heads"): "the model's own conventions, rank, positional checks and "
-                                   "oracle rows: not recomputed yet",
+DELEGATED = {  # sections compared leaf by leaf by another module's comparison (one reference)
+    ("contexts",): "tests/test_reference_contexts.py::compare_contexts (section 12.8)",
+    ("layers", "*", "real_heads"): "tests/test_reference_real_heads.py::compare_claims "
+                                   "(section 12.9) and tests/test_reference_positional.py::"
+                                   "compare_positional (section 12.10), each for its checks",
 }
 ECHOES = ("command", "config", "model", "corpus", "protocol", "seeds")  # the dump's manifest
 SIZES = {"model": ("n_heads", "n_kv_heads", "head_dim", "hidden"),  # from the dumped shapes
@@ -156,12 +163,18 @@ SECTIONS = ("reconstruction", "reuse", "calibration", "descent", "fast", "contex
 VERDICT_LABELS = ("failures/*/value", "failures/*/tol", "failures/*/detail")
 
 
-def leaf_class(path: tuple) -> str:
-    """``exempt``, ``pending``, ``label``, ``echo`` or ``recomputed``, else ``unknown``."""
+def leaf_class(path: tuple, delegated_checks: frozenset = frozenset()) -> str:
+    """``exempt``, ``delegated``, ``label``, ``echo`` or ``recomputed``, else ``unknown``.  A
+    ``real_heads`` leaf is delegated only under a check another comparison covered
+    (``delegated_checks``, its names; the per-context ``context`` index too)."""
     if any(matches(path, p) for p in EXEMPT):
         return "exempt"
-    if any(matches(path, p) for p in PENDING):
-        return "pending"
+    if path[0] == "contexts":
+        return "delegated"
+    if matches(path, ("layers", "*", "real_heads")) and len(path) >= 4:
+        name = path[5] if path[3] == "per_context" and len(path) >= 6 else path[3]
+        return "delegated" if name in delegated_checks or (
+            path[3] == "per_context" and name == "context" and delegated_checks) else "unknown"
     if path[0] == "layers" and len(path) >= 3 and path[2] in SECTIONS:
         key = field_key(path[2:])
         return "label" if any(fnmatch.fnmatchcase(key, p) for p in LABELS) else "recomputed"
@@ -834,17 +847,37 @@ def tolerance(D: Derived, path: tuple, value: Any) -> float:
 # the comparison
 # ---------------------------------------------------------------------------------------------
 
-def compare(report: dict, ref: reference.Reference) -> tuple[list[str], dict[str, int]]:
+def delegated(report: dict, ref: reference.Reference, contexts_ref: Any
+              ) -> tuple[list[str], frozenset]:
+    """The sections other modules compare (``DELEGATED``): their problems, and the real-head
+    checks they covered (imported here: those modules import this one's model and arguments)."""
+    from test_reference_contexts import compare_contexts
+    from test_reference_positional import compare_positional
+    from test_reference_real_heads import compare_claims
+    from test_reference_real_heads import undecided as claims_undecided
+
+    p1, n1 = compare_claims(report, ref.claims)
+    p2, n2 = compare_positional(report, ref.positional)
+    problems = p1 + p2 + claims_undecided(ref.claims)
+    if contexts_ref is not None:
+        problems += compare_contexts(report, contexts_ref)
+    elif report.get("contexts"):
+        problems.append("contexts: no reference given for them")
+    return problems, frozenset(n1) | frozenset(n2)
+
+
+def compare(report: dict, ref: reference.Reference, contexts_ref: Any = None
+            ) -> tuple[list[str], dict[str, int]]:
     """Every leaf of ``report`` against the reference: the problems, and how many leaves of each
     class there were."""
-    problems: list[str] = []
-    counts = {k: 0 for k in ("recomputed", "echo", "exempt", "label", "pending")}
+    problems, covered = delegated(report, ref, contexts_ref)
+    counts = {k: 0 for k in ("recomputed", "echo", "exempt", "label", "delegated")}
     derived = functools.lru_cache(maxsize=None)(lambda L: Derived(ref, L))
     for path, value in leaves(report):
-        kind = leaf_class(path)
+        kind = leaf_class(path, covered)
         where = "/".join(map(str, path))
         if kind == "unknown":
-            problems.append(f"{where}: neither recomputed, an echo, exempt nor pending")
+            problems.append(f"{where}: neither recomputed, an echo, exempt nor delegated")
             continue
         counts[kind] += 1
         if kind == "echo":
@@ -998,19 +1031,9 @@ def undecided(ref: reference.Reference) -> list[str]:
     return out
 
 
-def real_heads_failing(report: dict) -> list[str]:
-    """The reference's verdict pools every check but ``real_heads`` (pending): a run whose
-    real-head checks fail cannot have its verdict compared."""
-    return [f"layer {L} context {rec['context']}: real_heads {name} failed (pending: the "
-            "reference's verdict does not pool it)"
-            for L, lr in report["layers"].items()
-            for rec in (lr.get("real_heads") or {}).get("per_context", [])
-            for name, r in rec.items() if isinstance(r, dict) and r.get("ok") is False]
-
-
 def check_case(case: Case) -> dict[str, int]:
-    problems, counts = compare(case.report, case.ref)
-    open_ = undecided(case.ref) + real_heads_failing(case.report)
+    problems, counts = compare(case.report, case.ref, case.contexts)
+    open_ = undecided(case.ref)
     print("leaves:", counts, "seconds:", case.seconds)
     assert not open_, "\n".join(open_)
     assert not problems, f"{len(problems)} leaves disagree:\n" + "\n".join(problems[:40])
@@ -1041,11 +1064,16 @@ def test_the_comparison_flags_unknown_and_missing_leaves(tiny):
     grown["layers"]["0"]["reuse"]["per_head"][1]["new_statistic"] = 0.5
     grown["new_block"] = {"x": 1}
     del grown["layers"]["1"]["descent"]["per_head"][2]["frac_lam_gt_2"]
-    problems, _ = compare(grown, tiny.ref)
+    problems, _ = compare(grown, tiny.ref, tiny.contexts)
     text = "\n".join(problems)
     assert "per_head/1/new_statistic: no reference" in text
     assert "new_block/x: neither recomputed" in text
     assert "per_head/2/frac_lam_gt_2: the reference has" in text
+    # a real-head check no comparison covers is unknown, not waved through
+    grown = loads(dumps(tiny.report))
+    grown["layers"]["0"]["real_heads"]["per_context"][0]["new_check"] = {"ok": True}
+    problems, _ = compare(grown, tiny.ref, tiny.contexts)
+    assert any("per_context/0/new_check/ok: neither recomputed" in p for p in problems), problems
 
 
 MUTANTS = [  # (the planted bug, the module, its line, the mutation, a leaf that must disagree)
@@ -1119,7 +1147,7 @@ def test_a_planted_bug_turns_the_comparison_red(tiny, loaded, monkeypatch, bug, 
         result = rerun(tiny, loaded)
     else:
         result = rerun(tiny, loaded, mod)
-    problems, _ = compare(result, tiny.ref)
+    problems, _ = compare(result, tiny.ref, tiny.contexts)
     print(bug, len(problems), problems[:3])
     assert any(leaf in p for p in problems), f"{bug}: no disagreement at {leaf}"
 
@@ -1130,6 +1158,10 @@ FLIPS = {  # one failing check planted in both the report and the reference: (pa
                      "bound_violations", 2), 1),
     "refresh_identity": (("layers", "0", "calibration", "checks", "per_context", 0,
                           "refresh_identity_pass"), False),
+    "positive_coefficients": (("layers", "1", "real_heads", "per_context", 1,
+                               "positive_coefficients", "ok"), False),
+    "position_shift": (("layers", "0", "real_heads", "per_context", 0, "position_shift", "ok"),
+                       False),
 }
 
 

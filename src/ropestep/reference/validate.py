@@ -958,13 +958,19 @@ def failure(where: str, check: str, value: Any = None, detail: str = "") -> dict
     return {"where": where, "check": check, "value": value, "tol": None, "detail": detail}
 
 
+# the real-head checks in the order the verdict names them (section 12.6)
+REAL_CHECK_ORDER = ("conventions", "positive_coefficients", "rank", "no_global_readout",
+                    "position_derivative", "position_shift", "exact_rows")
+
+
 def layer_failures(L: str, lr: dict) -> list[dict]:
     """The failed checks of one recomputed layer, in the verdict's order (docs/protocol.md
     section 12.6): the reconstruction rows' checks, then per context the reuse bound, the
-    frozen cross-check and the refresh identity.  The checks on non-finite numbers (a
-    tokenwise agreement, the fast path's contexts, the pooled sections' safety net) never fail
-    here: every exact value is finite.  ``real_heads`` is not recomputed and not pooled.  A
-    failure's ``value``, ``tol`` and ``detail`` describe it; the reference leaves them empty."""
+    frozen cross-check and the refresh identity, then per context of ``real_heads`` (where the
+    layer has it: sections 12.9 and 12.10) each check whose ``ok`` is false.  The checks on
+    non-finite numbers (a tokenwise agreement, the fast path's contexts, the pooled sections'
+    safety net) never fail here: every exact value is finite.  A failure's ``value``, ``tol``
+    and ``detail`` describe it; the reference leaves them empty."""
     out = []
     for row in lr["reconstruction"]["rows"]:
         for check in failed_checks(row):
@@ -977,6 +983,10 @@ def layer_failures(L: str, lr: dict) -> list[dict]:
         for name in ("frozen_crosscheck", "refresh_identity"):
             if not pc[f"{name}_pass"]:
                 out.append(failure(w, name))
+    for rec in (lr.get("real_heads") or {}).get("per_context", []):
+        for name in REAL_CHECK_ORDER:
+            if name in rec and not rec[name]["ok"]:
+                out.append(failure(f"layer {L} context {rec['context']}", name))
     return out
 
 
@@ -998,6 +1008,8 @@ class Reference:
     report: dict
     rows: dict[tuple[int, int], tuple[list[HeadRows], WriteRows]] = field(repr=False)
     manifest: dict = field(repr=False)
+    claims: Any = field(default=None, repr=False)  # reference.real_heads.Claims
+    positional: Any = field(default=None, repr=False)  # reference.positional.Positional
 
 
 def layer_items(dump: Dump, layer: int, contexts: list[int],
@@ -1041,9 +1053,27 @@ def sizes(dump: Dump, layers: list[int], contexts: list[int]) -> tuple[dict, dic
     return model, protocol
 
 
+def merge_real_heads(claims: Any, positional: Any, layers: list[int]) -> dict[str, dict]:
+    """Per layer, the ``real_heads`` section of both recomputations in one tree: each context's
+    record holds the checks of both (sections 12.9, 12.10), and the pooled entries of both."""
+    out = {}
+    for L in layers:
+        a = claims.report["layers"][str(L)]["real_heads"]
+        b = positional.values[str(L)]
+        per = [{**ra, **rb} for ra, rb in zip(a["per_context"], b["per_context"], strict=True)]
+        out[str(L)] = {"per_context": per, **{k: v for k, v in a.items() if k != "per_context"},
+                       **{k: v for k, v in b.items() if k != "per_context"}}
+    return out
+
+
 def recompute(path: str | Path, *, dps: int = 30) -> Reference:
-    """Recompute the ``reconstruction``, ``reuse``, ``calibration`` and ``descent`` sections of
-    every dumped layer (``dps``: digits of the oracle)."""
+    """Recompute the ``reconstruction``, ``reuse``, ``calibration``, ``descent`` and ``fast``
+    sections of every dumped layer (``dps``: digits of the oracle), its ``real_heads``
+    (:mod:`ropestep.reference.real_heads` and :mod:`ropestep.reference.positional`, which read
+    this module's projections: imported here, when called) and the verdict over all of them."""
+    from . import positional as pos_ref
+    from . import real_heads as claims_ref
+
     dump = load(path)
     items = sorted(tuple(it) for it in dump.manifest["items"])
     layers = sorted({L for _, L in items})
@@ -1056,5 +1086,8 @@ def recompute(path: str | Path, *, dps: int = 30) -> Reference:
         rows.update({(L, c): it for c, it in zip(contexts, its)})
         report["layers"][str(L)] = layer_report(its, heads)
     report["model"], report["protocol"] = sizes(dump, layers, contexts)
+    claims, positional = claims_ref.recompute(path, dps=dps), pos_ref.recompute(path)
+    for L, rh in merge_real_heads(claims, positional, layers).items():
+        report["layers"][L]["real_heads"] = rh
     report["verdict"] = verdict(report["layers"])
-    return Reference(report, rows, dump.manifest)
+    return Reference(report, rows, dump.manifest, claims, positional)
