@@ -153,6 +153,8 @@ EXEMPT = {  # leaves not computed from the data, with the reason
     ("environment",): "versions and hardware of the machine that ran it",
     ("timing_seconds",): "wall-clock timings",
     ("peak_rss_mib",): "the process's peak resident memory",
+    ("run",): "which process diagnosed which layers under torchrun (the numbers do not depend "
+              "on it: tests/test_distributed.py)",
 }
 ECHOES = ("command", "config", "model")  # equal to the dump's manifest
 SIZES = ("n_heads", "n_kv_heads", "group", "head_dim", "hidden")  # model: from dumped shapes

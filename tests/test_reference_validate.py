@@ -142,6 +142,9 @@ EXEMPT = {  # leaves not computed from the data, with the reason
     ("versions",): "package versions of the machine that ran it",
     ("hardware",): "the machine that ran it",
     ("timings",): "wall-clock timings",
+    ("run",): "how the run was carried out: processes, which contexts each computed, where the "
+              "model's modules were placed (the numbers do not depend on it: "
+              "tests/test_distributed.py, tests/test_placement.py)",
     ("paper",): "the paper's published setup and numbers (constants), null off its setup",
 }
 LABELS = ("descent/space", "descent/rule", "descent/query_space/space",  # section-relative text

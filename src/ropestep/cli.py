@@ -21,7 +21,7 @@ import sys
 import time
 from typing import Callable, Sequence
 
-from .verdict import (EXIT_FAIL, EXIT_PASS, OneLineParser, input_error,
+from .verdict import (EXIT_FAIL, EXIT_INPUT, EXIT_PASS, OneLineParser, input_error,
                       output_and_threads_problem)
 
 _Parser = OneLineParser  # the name the commands used before verdict.py held it
@@ -67,6 +67,9 @@ def add_validate_arguments(p: argparse.ArgumentParser) -> None:
                    help="torch CPU threads [torch default]")
     p.add_argument("--no-figures", action="store_true", help="skip the matplotlib figures")
     p.add_argument("--quiet", action="store_true", help="no progress bar and no summary line")
+    from .models import add_placement_arguments
+
+    add_placement_arguments(p)
     p.add_argument("--dump-raw", metavar="DIR", default=None,
                    help="also write the raw tensors the reconstruction, reuse, calibration, "
                         "descent and fast sections are computed from (inputs, weights, RoPE tables, the "
@@ -94,6 +97,10 @@ def cmd_validate(args: argparse.Namespace, argv: Sequence[str]) -> int:
     if dump_raw is not None and dump_raw.exists() and not dump_raw.is_dir():
         return input_error(prog, protocol.ProtocolError(
             f"--dump-raw {args.dump_raw}: exists and is not a directory"))
+    try:
+        place = models.placement(args.device_map, args.max_memory, args.offload_folder)
+    except models.ModelLoadError as err:
+        return input_error(prog, err)
     if args.threads is not None:
         import torch
 
@@ -105,24 +112,48 @@ def cmd_validate(args: argparse.Namespace, argv: Sequence[str]) -> int:
         prefix_len=args.prefix_len, layers=args.layers, heads=args.heads, dtype=args.dtype,
         device=args.device, seed=args.seed, exact_rows=args.exact_rows)
     t0 = time.perf_counter()
-    try:
-        result = protocol.run(cfg, progress=not args.quiet, command=["ropestep", *argv],
-                              dump_raw=dump_raw)
-    except (protocol.ProtocolError, corpus_mod.CorpusError, *load_errors) as err:
-        return input_error(prog, err)
-    except FloatingPointError as err:  # the float64 evaluation met a NaN/inf: a failed check
-        msg = " ".join(str(err).split())
-        sys.stderr.write(f"{prog}: FAIL float64 evaluation: non-finite value [{msg}]; no report "
-                         f"written\n")
-        return EXIT_FAIL
-    from . import verdict as vd
-    from .report import write_report
+    import shutil
+    import tempfile
 
-    result["verdict"] = protocol.verdict_block(result)  # from the data the report holds
-    try:
-        write_report(result, out, figures=not args.no_figures)
-    except (FileExistsError, PermissionError) as err:
-        return input_error(prog, err)
+    from .dist import broadcast_from_rank0, finish, init_distributed
+
+    scratch = None
+    if place is not None and place["device_map"] == "auto" and "offload_folder" not in place:
+        scratch = tempfile.mkdtemp(prefix="ropestep-offload-")  # removed below
+        place["offload_folder"] = scratch
+    synced, code = False, None
+    try:  # under torchrun the contexts are shared between the processes (protocol.run)
+        rank, world, _ = init_distributed(None, "cpu" if args.device == "cpu" else args.device)
+        try:
+            result = protocol.run(cfg, progress=not args.quiet, command=["ropestep", *argv],
+                                  dump_raw=dump_raw, dist_info=(rank, world), placement=place)
+        except (protocol.ProtocolError, corpus_mod.CorpusError, *load_errors) as err:
+            return input_error(prog, err)
+        except FloatingPointError as err:  # the float64 evaluation met a NaN/inf: a failed check
+            msg = " ".join(str(err).split())
+            sys.stderr.write(f"{prog}: FAIL float64 evaluation: non-finite value [{msg}]; no "
+                             f"report written\n")
+            return EXIT_FAIL
+        if rank == 0:
+            from .report import write_report
+
+            result["verdict"] = protocol.verdict_block(result)  # from the data the report holds
+            try:
+                write_report(result, out, figures=not args.no_figures)
+            except (FileExistsError, PermissionError) as err:
+                code = input_error(prog, err)
+            else:
+                code = EXIT_PASS if result["verdict"]["pass"] else EXIT_FAIL
+        code = broadcast_from_rank0(code, rank, world)
+        synced = True
+        if rank != 0 or code == EXIT_INPUT:
+            return code
+    finally:
+        finish(barrier=synced)
+        if scratch is not None:
+            shutil.rmtree(scratch, ignore_errors=True)
+    from . import verdict as vd
+
     if not args.quiet:
         _summary(result, out, time.perf_counter() - t0)
     failures = result["verdict"]["failures"]
@@ -257,5 +288,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     return code
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+if __name__ == "__main__":  # also what torchrun launches: -m ropestep.cli validate ...
+    _code = main()
+    from .dist import exit_worker, under_launcher
+
+    if under_launcher():
+        exit_worker(_code)
+    sys.exit(_code)

@@ -344,46 +344,73 @@ def parse_layers(text: str | Sequence[int], n_layers: int) -> list[int]:
         raise HeadsError(str(err)) from None
 
 
+def _over_layers(Ls: Sequence[int], one: Any, dist_info: tuple[int, int] | None
+                 ) -> tuple[dict, dict, dict] | None:
+    """``one(L) -> (diagnostics, raw or None)`` over the layers ``Ls``; under torchrun
+    (``dist_info = (rank, world)``) each rank takes a contiguous share and rank 0 gathers them in
+    layer order (the other ranks get None).  Returns ``(out, raw, rank_layers)``."""
+    from .dist import gather_to_rank0, shard_contiguous
+
+    rank, world = dist_info if dist_info is not None else (0, 1)
+    mine = {str(L): one(L) for L in shard_contiguous(list(Ls), rank, world)}
+    parts = gather_to_rank0(mine, rank, world)
+    if rank != 0:
+        return None
+    got = {k: v for p in parts for k, v in p.items()}
+    out = {str(L): got[str(L)][0] for L in Ls}
+    raw = {str(L): got[str(L)][1] for L in Ls if got[str(L)][1] is not None}
+    return out, raw, {str(r): shard_contiguous(list(Ls), r, world) for r in range(world)}
+
+
 def diagnose(model: Any, layers: str | Sequence[int] = "all", *,
-             base_range: tuple[float, float] = BASE_RANGE, dump: Path | None = None) -> dict:
+             base_range: tuple[float, float] = BASE_RANGE, dump: Path | None = None,
+             dist_info: tuple[int, int] | None = None) -> dict | None:
     """Diagnostics of the requested decoder layers of a loaded Hugging Face model
     (:func:`ropestep.models.layer_head`, float64, the model's own RoPE tables); ``dump``: a
-    directory that receives each layer's inputs (:func:`dump_layer`)."""
+    directory that receives each layer's inputs (:func:`dump_layer`); ``dist_info``: the
+    layers shared out under torchrun (:func:`_over_layers`; None on ranks other than 0)."""
     from . import models
 
     info = models.describe_model(model)
     Ls = parse_layers(layers, info.n_layers)
-    out: dict[str, dict] = {}
-    raw: dict[str, dict] = {}
-    for L in Ls:
+
+    def one(L: int) -> tuple[dict, dict | None]:
         spec, w = models.layer_head(model, L, 2, dtype=torch.float64)
-        if dump is not None:
-            raw[str(L)] = dump_layer(dump, L, spec, w)
-        out[str(L)] = diagnose_weights(spec, w, base_range=base_range)
+        raw = dump_layer(dump, L, spec, w) if dump is not None else None
+        return diagnose_weights(spec, w, base_range=base_range), raw
+
+    res = _over_layers(Ls, one, dist_info)
+    if res is None:
+        return None
+    out, raw, rank_layers = res
     summary = summarise(list(out.values()))
     return {"model": {"name": portable_name(info.name), "model_type": info.model_type,
                       "family": info.family, "n_layers": info.n_layers, "n_heads": info.n_heads,
                       "n_kv_heads": info.n_kv_heads, "group": info.group,
                       "head_dim": info.head_dim, "hidden": info.hidden,
                       "rope_theta": info.rope_theta, "qkv_bias": info.qkv_bias},
-            "layers": out, "summary": summary, "raw_layers": raw,
+            "layers": out, "summary": summary, "raw_layers": raw, "rank_layers": rank_layers,
             "frequency_axis": next(iter(out.values()))["frequency_axis"] if out else None}
 
 
 def diagnose_gpt(model: Any, layers: str | Sequence[int] = "all", *,
-                 base_range: tuple[float, float] = BASE_RANGE, dump: Path | None = None) -> dict:
+                 base_range: tuple[float, float] = BASE_RANGE, dump: Path | None = None,
+                 dist_info: tuple[int, int] | None = None) -> dict | None:
     """The same diagnostics for a :class:`ropestep.families.GPT` (a trained variant of
     ``ropestep train-families``): each block's attention module describes its own heads
     (``head_description``: the learned per-head bases or temperatures included)."""
     cfg = model.config
     Ls = parse_layers(layers, len(model.blocks))
-    out: dict[str, dict] = {}
-    raw: dict[str, dict] = {}
-    for L in Ls:
+
+    def one(L: int) -> tuple[dict, dict | None]:
         spec, w = model.blocks[L].attn.head_description(dtype=torch.float64)
-        if dump is not None:
-            raw[str(L)] = dump_layer(dump, L, spec, w)
-        out[str(L)] = diagnose_weights(spec, w, base_range=base_range)
+        raw = dump_layer(dump, L, spec, w) if dump is not None else None
+        return diagnose_weights(spec, w, base_range=base_range), raw
+
+    res = _over_layers(Ls, one, dist_info)
+    if res is None:
+        return None
+    out, raw, rank_layers = res
     summary = summarise(list(out.values()))
     spec0 = model.blocks[0].attn.head_description(dtype=torch.float64)[0]
     return {"model": {"name": f"ropestep.families GPT ({cfg.variant})", "model_type": "families",
@@ -391,7 +418,7 @@ def diagnose_gpt(model: Any, layers: str | Sequence[int] = "all", *,
                       "n_heads": spec0.n_heads, "n_kv_heads": spec0.n_kv_heads,
                       "group": spec0.group, "head_dim": spec0.head_dim, "hidden": cfg.d_model,
                       "rope_theta": None, "qkv_bias": False, "variant": cfg.variant},
-            "layers": out, "summary": summary, "raw_layers": raw,
+            "layers": out, "summary": summary, "raw_layers": raw, "rank_layers": rank_layers,
             "frequency_axis": next(iter(out.values()))["frequency_axis"] if out else None}
 
 
@@ -441,7 +468,8 @@ def load(model: str, *, revision: str | None = None, gguf: str | None = None,
 def run(model: str, *, layers: str = "all", revision: str | None = None, gguf: str | None = None,
         base_range: tuple[float, float] = BASE_RANGE, command: Sequence[str] | None = None,
         loaded: tuple[Any, dict] | None = None, dump_raw: Path | None = None,
-        placement: dict | None = None) -> dict:
+        placement: dict | None = None, dist_info: tuple[int, int] | None = None
+        ) -> dict | None:
     """Load (unless ``loaded = (model, provenance)`` is given), diagnose, and return the report.
     ``dump_raw``: a directory that receives what every number of the report is computed from
     (:func:`dump_layer`, :func:`write_raw_manifest`; the report is the same without it)."""
@@ -463,7 +491,9 @@ def run(model: str, *, layers: str = "all", revision: str | None = None, gguf: s
     if dump_raw is not None:
         dump_raw.mkdir(parents=True, exist_ok=True)
     res = (diagnose_gpt if isinstance(m, GPT) else diagnose)(m, layers, base_range=(bmin, bmax),
-                                                             dump=dump_raw)
+                                                             dump=dump_raw, dist_info=dist_info)
+    if res is None:  # a rank other than 0 under torchrun: its layers went to rank 0
+        return None
     t2 = time.perf_counter()
     fl = failures(res["layers"])
     res["model"].update({k: v for k, v in prov.items() if k not in res["model"]})
@@ -482,6 +512,7 @@ def run(model: str, *, layers: str = "all", revision: str | None = None, gguf: s
                         "placement": models.placement_record(m, placement)},
         "timing_seconds": {"load_model": t1 - t0, "diagnose": t2 - t1},
         "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0,
+        "run": {"world_size": len(res["rank_layers"]), "rank_layers": res["rank_layers"]},
         "verdict": {"passed": not fl, "failed": [f.as_dict() for f in fl]},
     }
     if dump_raw is not None:
@@ -744,16 +775,28 @@ def main_args(args, argv: Sequence[str]) -> int:
     if place is not None and place["device_map"] == "auto" and "offload_folder" not in place:
         scratch = tempfile.mkdtemp(prefix="ropestep-offload-")  # removed below
         place["offload_folder"] = scratch
+    from .dist import broadcast_from_rank0, finish, init_distributed
+
     threads = torch.get_num_threads()
     torch.set_num_threads(args.threads)
-    try:
-        result = run(args.model, layers=args.layers, revision=args.revision, gguf=args.gguf,
-                     base_range=(args.base_min, args.base_max), command=["ropestep", *argv],
-                     dump_raw=dump_raw, placement=place)
-        write_report(result, out, figures=not args.no_figures)
-    except (HeadsError, models.ModelLoadError, models.UnsupportedModelError) as err:
-        return bad(err)
+    synced = False
+    try:  # under torchrun the layers are shared between the processes (_over_layers)
+        rank, world, _ = init_distributed(None, "cpu")
+        try:
+            result = run(args.model, layers=args.layers, revision=args.revision, gguf=args.gguf,
+                         base_range=(args.base_min, args.base_max), command=["ropestep", *argv],
+                         dump_raw=dump_raw, placement=place, dist_info=(rank, world))
+            if rank == 0:
+                write_report(result, out, figures=not args.no_figures)
+        except (HeadsError, models.ModelLoadError, models.UnsupportedModelError) as err:
+            return bad(err)
+        code = broadcast_from_rank0(
+            (0 if result["verdict"]["passed"] else 1) if rank == 0 else None, rank, world)
+        synced = True
+        if rank != 0:
+            return code
     finally:
+        finish(barrier=synced)
         torch.set_num_threads(threads)
         if scratch is not None:
             shutil.rmtree(scratch, ignore_errors=True)
@@ -776,5 +819,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     return module_main("heads", __doc__, add_arguments, main_args, argv)
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+if __name__ == "__main__":  # also what torchrun launches: -m ropestep.heads ...
+    from .dist import exit_worker, under_launcher
+
+    _code = main()
+    if under_launcher():
+        exit_worker(_code)
+    sys.exit(_code)

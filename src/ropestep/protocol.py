@@ -49,6 +49,7 @@ from . import reuse_stats as rs
 from .verdict import Failure, device_problem, encode, finite, least, worst
 from .provenance import model_files, portable_command, portable_config, portable_name
 from .runstate import Progress
+from .dist import gather_to_rank0, shard_contiguous
 from .corpus import Block, CorpusError, load_corpus, select_blocks, tokenizer_fn
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -1078,8 +1079,17 @@ def is_paper_setup(cfg: Config, layers: Sequence[int], heads: Sequence[int] | No
 
 def run(cfg: Config, *, progress: bool = True, command: Sequence[str] | None = None,
         loaded: tuple[Any, Any, dict] | None = None,
-        log: Callable[[str], None] | None = None, dump_raw: Path | None = None) -> dict:
+        log: Callable[[str], None] | None = None, dump_raw: Path | None = None,
+        dist_info: tuple[int, int] | None = None, placement: dict | None = None
+        ) -> dict | None:
     """Run the experiment and return the report dict (the report itself is not written here).
+
+    ``dist_info = (rank, world)`` under torchrun (:func:`ropestep.dist.init_distributed`): the
+    contexts are shared out in contiguous blocks, every rank computes its contexts (all layers,
+    their real-head checks and oracle rows), rank 0 gathers them in context order and returns the
+    report, the other ranks None.  Every context is computed from its own inputs alone, so the
+    report does not depend on the number of processes (timings and ``run`` aside).
+    ``placement``: accelerate's big-model placement (:func:`ropestep.models.placement`).
 
     ``loaded`` may pass an already loaded ``(model, tokenizer, provenance)`` (tests).
     ``dump_raw``: a directory that receives the raw tensors the ``reconstruction``, ``reuse``,
@@ -1101,7 +1111,7 @@ def run(cfg: Config, *, progress: bool = True, command: Sequence[str] | None = N
         raise CorpusError(f"corpus {corpus.name!r} holds no article")
 
     t = time.perf_counter()
-    model, tok, prov = loaded if loaded is not None else load(cfg)
+    model, tok, prov = loaded if loaded is not None else load(cfg, placement)
     timings["model_load_s"] = time.perf_counter() - t
     info = models.describe_model(model)
     layers = parse_indices(cfg.layers, info.n_layers, "layer")
@@ -1133,12 +1143,17 @@ def run(cfg: Config, *, progress: bool = True, command: Sequence[str] | None = N
     ctx_records, per_layer = [], {L: [] for L in layers}
     real = {L: [] for L in layers}
     oracle_rows = exact_sample(len(blocks), info.n_heads, cfg.prefix_len, cfg.exact_rows, cfg.seed)
+    rank, world = dist_info if dist_info is not None else (0, 1)
+    mine = shard_contiguous(list(range(len(blocks))), rank, world)
+    oracle_rows = {c: rows for c, rows in oracle_rows.items() if c in mine}
     t_cap = t_eval = t_fwd = t_real = t_exact = t_inline = 0.0
     oracle = _OraclePool(bool(oracle_rows), inline=os.environ.get("ROPESTEP_ORACLE_INLINE") == "1")
     pending: list[tuple[int, int, tuple, Any]] = []  # (layer, index in real[layer], job, future)
-    bar = _progress(len(blocks), progress, f"{Path(prov['source']).name} L={cfg.prefix_len}")
+    bar = _progress(len(mine), progress and rank == 0,
+                    f"{Path(prov['source']).name} L={cfg.prefix_len}")
     try:
-        for c, blk in enumerate(blocks):
+        for c in mine:
+            blk = blocks[c]
             t_fwd += time_forward(model, blk.ids)
             t = time.perf_counter()
             cap = capture_context(model, blk, layers, cfg.queries, excl)
@@ -1182,6 +1197,18 @@ def run(cfg: Config, *, progress: bool = True, command: Sequence[str] | None = N
         oracle.close()
         bar.close()
     timings["capture_s"], timings["evaluate_s"] = t_cap, t_eval
+    parts = gather_to_rank0({"rank": rank, "contexts": mine, "per_layer": per_layer,
+                             "real": real, "records": ctx_records, "t_fwd": t_fwd},
+                            rank, world)
+    if rank != 0:
+        return None
+    if sorted(c for p in parts for c in p["contexts"]) != list(range(len(blocks))):
+        raise RuntimeError("the gathered contexts do not cover the blocks exactly once")
+    parts.sort(key=lambda p: p["contexts"][0] if p["contexts"] else len(blocks))
+    per_layer = {L: [x for p in parts for x in p["per_layer"][L]] for L in layers}
+    real = {L: [x for p in parts for x in p["real"][L]] for L in layers}
+    ctx_records = [x for p in parts for x in p["records"]]
+    t_fwd = sum(p["t_fwd"] for p in parts)
     # exact_oracle_s: wall time the run spent on the oracle rows (computed inline, or waited for
     # from the side process); exact_oracle_cpu_s: the oracle's own time wherever it ran
     timings["real_checks_s"], timings["exact_oracle_s"] = t_real, t_exact
@@ -1225,6 +1252,9 @@ def run(cfg: Config, *, progress: bool = True, command: Sequence[str] | None = N
                   "note": "block selection is the only random choice; the candidates are the "
                           "model's top logits and every computation is deterministic"},
         "timings": timings,
+        "run": {"world_size": world,
+                "rank_contexts": {str(p["rank"]): p["contexts"] for p in parts},
+                "placement": models.placement_record(model, placement)},
         "contexts": ctx_records,
         "layers": layer_out,
         "paper": PAPER if paper else None,

@@ -134,6 +134,9 @@ def load_model(source: str | os.PathLike, *, revision: str | None = None,
         raise _load_error(src, err, is_local) from None
     check_config(config, name=src)
     mkw = dict(kw, dtype=dtype, attn_implementation="eager")
+    if device_map == "auto" and max_memory is not None and set(max_memory) <= {"cpu", "disk"}:
+        device_map = budget_device_map(config, max_memory["cpu"], dtype, name=src)
+        max_memory = None  # the map honours it
     if device_map is not None:
         mkw["device_map"] = device_map
     if max_memory is not None:
@@ -141,10 +144,25 @@ def load_model(source: str | os.PathLike, *, revision: str | None = None,
     if offload_folder is not None:
         mkw["offload_folder"] = os.fspath(offload_folder)
     cached = gguf_cache_dir(Path(name) / gguf, dtype) if gguf is not None else None
+    if device_map is not None and gguf is not None and (
+            cached is None or not (cached / CACHE_MARKER).is_file()):
+        if cached is None:
+            raise ModelLoadError(f"{src}: a GGUF model is de-quantised whole in memory, so "
+                                 "--device-map/--max-memory need its de-quantised cache "
+                                 "(ROPESTEP_GGUF_CACHE is off)")
+        # de-quantise once, whole, into the cache (transformers offloads no GGUF); then place it
+        load_model(source, revision=revision, gguf_file=gguf_file, dtype=dtype, device="cpu",
+                   tokenizer=tokenizer)
     try:
         if cached is not None and (cached / CACHE_MARKER).is_file():
             # the de-quantised weights of this very file (same sha256, same transformers)
             ckw = {k: v for k, v in mkw.items() if k != "gguf_file"}
+            if device_map is not None:  # the cache holds plain floats: no GGUF quantizer, which
+                # refuses a disk offload (the cached config still names the GGUF it came from)
+                ccfg = AutoConfig.from_pretrained(str(cached))
+                if getattr(ccfg, "quantization_config", None) is not None:
+                    del ccfg.quantization_config
+                ckw["config"] = ccfg
             model = AutoModelForCausalLM.from_pretrained(str(cached), **ckw)
             tok = None
             if tokenizer and (cached / "tokenizer_config.json").is_file():
@@ -244,6 +262,60 @@ def placement(device_map: str | None, max_memory: str | None, offload_folder: st
         out["max_memory"] = budget
     if offload_folder is not None:
         out["offload_folder"] = offload_folder
+    return out
+
+
+def budget_device_map(config: Any, budget: int, dtype: torch.dtype, name: str = "model"
+                      ) -> dict[str, str]:
+    """A device map that keeps at most ``budget`` bytes of weights in memory: every module that
+    is not a decoder layer (embeddings, final norm, rotary tables, output head: they run at every
+    step) stays on the CPU, then the decoder layers in order while they fit, the rest on disk.
+
+    accelerate's ``"auto"`` reserves room for the largest module besides, which on models with a
+    large vocabulary (Qwen2.5's embedding is a quarter of the model) sends everything to disk;
+    this rule is stated, and the sizes come from the model's own modules, built on the ``meta``
+    device from its config (no weights read).  A budget below what the non-layer modules need
+    raises :class:`ModelLoadError` naming both sizes."""
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForCausalLM
+
+    from .structure import decoder, layer_list
+
+    with init_empty_weights():
+        meta = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    layers = layer_list(decoder(meta))
+    names = {id(m): n for n, m in meta.named_modules()}
+    stack = names[id(layers)]
+    keys: list[str] = []
+
+    def split(prefix: str, module: Any) -> None:  # whole modules, but the path to the layers
+        for child, mod in module.named_children():
+            full = f"{prefix}.{child}" if prefix else child
+            if full == stack:
+                keys.extend(f"{full}.{i}" for i in range(len(layers)))
+            elif stack.startswith(full + "."):
+                split(full, mod)
+            else:
+                keys.append(full)
+
+    split("", meta)
+    size = dict.fromkeys(keys, 0)
+    for pname, prm in meta.named_parameters():  # shared (tied) weights counted once
+        key = next((k for k in keys if pname.startswith(k + ".")), None)
+        if key is not None:
+            size[key] += prm.numel() * prm.element_size()
+    layer_keys = [f"{stack}.{i}" for i in range(len(layers))]
+    resident = sum(v for k, v in size.items() if k not in layer_keys)
+    if budget < resident:
+        raise ModelLoadError(
+            f"{name}: --max-memory cpu={budget} is below the {resident} bytes the embeddings, "
+            f"norms and output head need in memory (every decoder layer can be offloaded)")
+    out = {k: "cpu" for k in keys if k not in layer_keys}
+    used = resident
+    for k in layer_keys:
+        fits = used + size[k] <= budget and "disk" not in out.values()
+        out[k] = "cpu" if fits else "disk"
+        used += size[k] if fits else 0
     return out
 
 
