@@ -118,6 +118,8 @@ EXEMPT = {  # leaves not computed from the data, with the reason
     ("timing_seconds",): "wall-clock timings",
     ("peak_rss_mib",): "the process's peak resident memory",
     ("run",): "the process layout: world size, each rank's items and timings",
+    ("cost",): "seconds, this machine's GEMM rates and what is derived from them (the counted "
+               "flops of each phase are compared in COST_FLOPS)",
     ("replication_style_descent", "space"): "a label",
     ("replication_style_descent", "query"): "a label",
 }
@@ -126,8 +128,14 @@ ECHOES = ("command", "config", "model", "corpus", "contexts")  # equal to the du
 RECOMPUTED = ("layers", "replication_style_descent", "verdict")
 
 
+COST_FLOPS = ("cost", "phases", "*", "flops")  # section 11, `cost`: reference.counted_flops
+
+
 def leaf_class(path: tuple) -> str:
-    """``exempt``, ``echo`` or ``recomputed`` (the reference has the leaf), else ``unknown``."""
+    """``exempt``, ``echo``, ``counted`` or ``recomputed`` (the reference has the leaf), else
+    ``unknown``."""
+    if len(path) == 4 and all(p in ("*", q) for p, q in zip(COST_FLOPS, path)):
+        return "counted"
     if any(path[:len(p)] == p for p in EXEMPT):
         return "exempt"
     if path[0] == "model" and path[1] in SHAPES or path[0] in RECOMPUTED:
@@ -373,7 +381,15 @@ def agrees(value: Any, candidates: list[Any], tolerance_abs: float) -> bool:
 def compare(report: dict, ref: reference.Reference) -> tuple[list[str], dict[str, int]]:
     """Every leaf of ``report`` against the reference: the problems, and how many leaves of each
     class were compared."""
-    problems, counts = [], {"recomputed": 0, "echo": 0, "exempt": 0}
+    problems, counts = [], {"recomputed": 0, "echo": 0, "exempt": 0, "counted": 0}
+    counted = reference.counted_flops(ref.manifest)
+    if report.get("cost") is not None:  # every phase the report times has its count
+        phases = report["cost"]["phases"]
+        for ph in counted:
+            name = ph.replace("lowp", report["config"]["dtype"])
+            if name not in phases:
+                problems.append(f"cost/phases/{name}: the reference counts {counted[ph]!r}, "
+                                "the report has no such phase")
     variants = (ref.report, ref.low, ref.high)
     derived = functools.lru_cache(maxsize=None)(lambda L, h: Derived(ref, L, h))
     for path, value in leaves(report):
@@ -383,6 +399,13 @@ def compare(report: dict, ref: reference.Reference) -> tuple[list[str], dict[str
             problems.append(f"{where}: neither recomputed, an echo, nor exempt")
             continue
         counts[kind] += 1
+        if kind == "counted":  # the same count from the same sizes: equal up to the order of
+            # the floating-point sums (at most a few ulps of the total: rel 1e-12 is ample)
+            ph = path[2].replace(report["config"]["dtype"], "lowp")
+            want = counted.get(ph)
+            if want is None or abs(value - want) > 1e-12 * abs(want):
+                problems.append(f"{where}: atlas counts {value!r}, reference {want!r}")
+            continue
         if kind == "echo":
             dumped = at(ref.manifest, path) if has(ref.manifest, path) else "(absent)"
             if dumped != value:
@@ -484,6 +507,12 @@ MUTANTS = [  # (the planted bug, the line of atlas.py, its mutation, a leaf that
      'arr["reuse_mean"][h0:h1, qi] = sq(y)', "reuse/rrmse_vs_cache_mean"),
     ("the input-space step test without its 1/2", "inc = 0.5 * (Y * (M @ Y))",
      "inc = (Y * (M @ Y))", "step_increases_E_input_space"),
+    ("the work counted for one token fewer per context",
+     "N = int(next(iter(res.arrays.values())).shape[1])",
+     "N = int(next(iter(res.arrays.values())).shape[1]) - 1", "cost/phases/"),
+    ("the work counted without the input-space problem",
+     "H_kv=spec.n_kv_heads, affine=spec.affine,", "H_kv=spec.n_kv_heads, affine=False,",
+     "cost/phases/float64_original"),
 ]
 
 

@@ -682,6 +682,7 @@ def run(cfg: AtlasConfig, *, progress: bool = True, command: Sequence[str] | Non
             spec, m = specs[L]
             out_layers[str(L)] = summarise_layer(per_layer[L], spec, m, cfg.length, lp)
     timers["total"] = time.perf_counter() - t0
+    cost_section = None if cfg.replication_only else _cost(done, specs, parts, lp, cfg.device)
     failed = [f"layer {L} head {h['head']}: " + ", ".join(k for k, v in h["checks"].items()
                                                          if not v)
               for L, lr in out_layers.items() for h in lr["heads"] if not h["passed"]]
@@ -702,6 +703,7 @@ def run(cfg: AtlasConfig, *, progress: bool = True, command: Sequence[str] | Non
                      for b in blocks],
         "environment": env,
         "timing_seconds": timers,
+        "cost": cost_section,
         "run": {"world_size": world,
                 "resumed_items": sum(p.get("resumed", 0) for p in parts),
                 "placement": models.placement_record(model, placement),
@@ -715,6 +717,123 @@ def run(cfg: AtlasConfig, *, progress: bool = True, command: Sequence[str] | Non
     if dump_raw is not None:
         write_raw_manifest(dump_raw, result, specs, items)
     return result
+
+
+def _cost(done: list, specs: dict, parts: list, lp: torch.dtype, device: Any) -> dict:
+    """The counted work of every item (:func:`ropestep.cost.atlas_flops`), the phases' seconds
+    summed over the processes, and this machine's GEMM rates measured now, in this process."""
+    from . import cost
+
+    flops: dict[str, float] = {}
+    for _c, L, res in done:
+        spec, m = specs[L]
+        N = int(next(iter(res.arrays.values())).shape[1])
+        for k, v in cost.atlas_flops(N=N, d=spec.head_dim, r=spec.r, m=m, H=spec.n_heads,
+                                     H_kv=spec.n_kv_heads, affine=spec.affine,
+                                     softcap=spec.softcap is not None,
+                                     window=spec.window).items():
+            flops[k] = flops.get(k, 0.0) + v
+    seconds: dict[str, float] = {}
+    for p in parts:
+        for k, v in p["timers"].items():
+            seconds[k] = seconds.get(k, 0.0) + v
+    low = str(lp).replace("torch.", "")
+    rates = {"float64": cost.matmul_rate(torch.float64, device=device),
+             low: cost.matmul_rate(lp, device=device)}
+    return cost.phase_report(flops, seconds, rates, low, seconds.get("model_forward"))
+
+
+def plan(cfg: AtlasConfig, budget: int | None = None) -> dict:
+    """What a run of ``cfg`` will need, from the model's config alone (no weight is read): the
+    weights' memory (all of them, and what stays resident under a ``--max-memory`` budget),
+    the captured activations of one context, the streamed evaluation's budget, and per phase the
+    counted work (:func:`ropestep.cost.atlas_flops`, plain causal heads: a window, soft-cap or
+    QK-norm only lowers it) with its time at this machine's GEMM rates, measured now -- a floor:
+    the committed runs reach a fraction of it (their ``cost.fraction_of_matmul``)."""
+    from . import cost, models, protocol
+
+    source = cfg.model
+    if str(source).strip().lower() == protocol.SMOLLM2_ALIAS:
+        source = str(models.locate_smollm2_gguf())
+    config = models.read_config(source, revision=cfg.revision, gguf_file=cfg.gguf)
+    info = models.describe_model(config)
+    layers = protocol.parse_indices(cfg.layers, info.n_layers, "layer")
+    lp = DTYPES[cfg.dtype]
+    meta = models.meta_model(config, lp)
+    nbytes = torch.tensor([], dtype=lp).element_size()
+    params = sum(p.numel() for p in meta.parameters())  # shared (tied) weights once
+    from .models.structure import attention_module, decoder, layer_list
+
+    attn = [sum(p.numel() for p in attention_module(ly, info.name, i).parameters())
+            for i, ly in enumerate(layer_list(decoder(meta)))]
+    N, C, m = cfg.length, cfg.contexts, info.hidden
+    d = info.head_dim
+    H, Hk = info.n_heads, info.n_kv_heads
+    flops = {k: 0.0 for k in cost.PHASES}
+    one = cost.atlas_flops(N=N, d=d, r=d, m=m, H=H, H_kv=Hk)
+    for k, v in one.items():
+        flops[k] = v * C * len(layers)
+    low = cfg.dtype
+    rates = {"float64": cost.matmul_rate(torch.float64, device=cfg.device),
+             low: cost.matmul_rate(lp, device=cfg.device)}
+    dt = {"project": "float64", "float64_original": "float64", "lowp_maxkey": low,
+          "float64_maxkey": "float64"}
+    phases = {k.replace("lowp", low): {"flops": v, "seconds_at_matmul_rate": v / rates[dt[k]]}
+              for k, v in flops.items()}
+    weights = params * nbytes
+    resident = weights if budget is None else min(weights, int(budget))
+    # the forward's own work, for scale: 2 operations per parameter and token besides the
+    # embedding lookup, and the attention scores and outputs
+    vocab = int(getattr(config, "vocab_size", 0) or 0)
+    fwd = C * (2.0 * (params - vocab * m) * N
+               + info.n_layers * H * 2 * N * (N + 1) * d)
+    return {
+        "model": {"name": portable_name(info.name), "n_layers": info.n_layers, "n_heads": H,
+                  "n_kv_heads": Hk, "head_dim": d, "hidden": m, "parameters": params,
+                  "largest_attention_parameters": max(attn)},
+        "run": {"contexts": C, "length": N, "layers": len(layers), "dtype": cfg.dtype},
+        "memory_bytes": {
+            "weights": weights, "weights_resident": resident,
+            "one_attention_float64": 8 * max(attn),
+            "captured_activations_per_context": nbytes * len(layers) * N * (m + H * d),
+            "streamed_budget": cfg.max_bytes,
+            "estimated_peak": resident + 8 * max(attn) + cfg.max_bytes
+            + nbytes * len(layers) * N * (m + H * d)},
+        "matmul_flops_per_s": rates,
+        "phases": phases,
+        "floor_seconds": sum(p["seconds_at_matmul_rate"] for p in phases.values()),
+        "model_forward_flops": fwd,
+        "model_forward_seconds_at_matmul_rate": fwd / rates[low],
+    }
+
+
+def render_plan(p: dict) -> str:
+    """``--plan``'s text: memory, then the work per phase and its floor time."""
+    def gib(b: float) -> str:
+        return f"{b / 2 ** 30:.2f} GiB"
+
+    mem, mdl, run_ = p["memory_bytes"], p["model"], p["run"]
+    lines = [f"{mdl['name']}: {mdl['parameters'] / 1e9:.2f} B parameters, {mdl['n_layers']} "
+             f"layers, {mdl['n_heads']} heads on {mdl['n_kv_heads']} KV heads, head_dim "
+             f"{mdl['head_dim']}, hidden {mdl['hidden']}",
+             f"run: {run_['contexts']} contexts x {run_['length']} tokens, {run_['layers']} "
+             f"layers, model in {run_['dtype']}",
+             f"memory: weights {gib(mem['weights'])} ({gib(mem['weights_resident'])} resident), "
+             f"one layer's attention in float64 {gib(mem['one_attention_float64'])}, captured "
+             "activations "
+             f"{gib(mem['captured_activations_per_context'])} per context, streamed budget "
+             f"{gib(mem['streamed_budget'])}; estimated peak {gib(mem['estimated_peak'])}",
+             "work (counted; docs/protocol.md section 11, cost) and its time at this machine's "
+             "GEMM rate ("
+             + ", ".join(f"{k} {v / 1e9:.1f} GFLOP/s" for k, v in
+                         p["matmul_flops_per_s"].items()) + "):"]
+    for k, v in p["phases"].items():
+        lines.append(f"  {k:18s} {v['flops'] / 1e12:10.3f} TFLOP  "
+                     f"{v['seconds_at_matmul_rate']:10.1f} s")
+    lines.append(f"  {'floor':18s} {'':10s}        {p['floor_seconds']:10.1f} s  (the model's "
+                 f"own forwards: {p['model_forward_flops'] / 1e12:.3f} TFLOP, "
+                 f"{p['model_forward_seconds_at_matmul_rate']:.1f} s at the same rate)")
+    return "\n".join(lines)
 
 
 def _portable(prov: dict) -> dict:
@@ -997,7 +1116,11 @@ def add_arguments(p) -> None:
                    help="continue a killed run from its run directory: items already there "
                         "are read back, not recomputed (same configuration and model files "
                         "only; another run's directory is refused)")
-    p.add_argument("--out", required=True, metavar="DIR", help="report directory")
+    p.add_argument("--plan", action="store_true",
+                   help="print the memory and the counted work this run will need, and its "
+                        "floor time at this machine's GEMM rate, from the model's config alone "
+                        "(no weight is loaded); nothing is written")
+    p.add_argument("--out", metavar="DIR", help="report directory (required unless --plan)")
 
 
 def main_args(args, argv: Sequence[str]) -> int:
@@ -1009,6 +1132,10 @@ def main_args(args, argv: Sequence[str]) -> int:
     def bad(err: BaseException) -> int:
         return input_error(prog, err)
 
+    if args.plan:
+        return _plan_main(args, bad)
+    if args.out is None:
+        return bad(AtlasError("--out DIR is required (unless --plan)"))
     out = Path(args.out)
     problem = output_and_threads_problem(out, args.threads)
     if problem is not None:
@@ -1079,11 +1206,37 @@ def main_args(args, argv: Sequence[str]) -> int:
     return 0
 
 
+def _plan_main(args: Any, bad: Any) -> int:
+    """``--plan``: the estimate, printed; 0, or 2 on bad input."""
+    from . import models, protocol
+
+    cfg = AtlasConfig(model=args.model, revision=args.revision, gguf=args.gguf,
+                      contexts=args.contexts, length=args.length, layers=args.layers,
+                      dtype=args.dtype, device=args.device, max_bytes=args.max_bytes)
+    try:
+        check_config(cfg)
+        place = models.placement(args.device_map, args.max_memory, args.offload_folder)
+        budget = None if place is None else (place.get("max_memory") or {}).get("cpu")
+        if args.threads is not None:
+            torch.set_num_threads(args.threads)
+        print(render_plan(plan(cfg, budget)))
+    except (AtlasError, protocol.ProtocolError, models.ModelLoadError,
+            models.UnsupportedModelError) as err:
+        return bad(err)
+    return 0
+
+
 def same_report(a: dict, b: dict) -> bool:
-    """True when two atlas reports agree in every number (timing, run and environment aside)."""
-    skip = {"run", "timing_seconds", "environment", "peak_rss_mib", "command"}
+    """True when two atlas reports agree in every number (timing, run and environment aside;
+    of ``cost``, the counted work only: its seconds and rates are the machine's)."""
+    skip = {"run", "timing_seconds", "environment", "peak_rss_mib", "command", "cost"}
+
+    def counted(r: dict) -> Any:
+        c = r.get("cost")
+        return None if c is None else {k: v["flops"] for k, v in c["phases"].items()}
+
     return {k: v for k, v in a.items() if k not in skip} == \
-        {k: v for k, v in b.items() if k not in skip}
+        {k: v for k, v in b.items() if k not in skip} and counted(a) == counted(b)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

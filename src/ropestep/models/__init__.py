@@ -36,7 +36,7 @@ from .errors import ModelLoadError, UnsupportedModelError
 from .loading import (CACHE_MARKER, SMOLLM2_DISTRIBUTION, SMOLLM2_GGUF, SMOLLM2_PACKAGE,
                       add_model_arguments, add_placement_arguments, disable_tf32,
                       gguf_cache_dir, gguf_cache_root, load_model, locate_smollm2_gguf,
-                      placement, placement_record)
+                      meta_model, placement, placement_record, read_config)
 
 __all__ = [
     "BlockCapture", "CACHE_MARKER", "ContinuationCapture", "LayerCapture", "LayerConventions",
@@ -45,5 +45,5 @@ __all__ = [
     "capture_block",
     "capture_continuations", "check_config", "check_layer_index", "describe_model",
     "disable_tf32", "gguf_cache_dir", "gguf_cache_root", "layer_head", "load_model",
-    "locate_smollm2_gguf", "placement", "placement_record", "rope_tables", "top_candidates",
+    "locate_smollm2_gguf", "meta_model", "placement", "placement_record", "read_config", "rope_tables", "top_candidates",
 ]

@@ -95,6 +95,47 @@ def _load_error(source: str, err: BaseException, is_local: bool) -> ModelLoadErr
     return ModelLoadError(f"cannot load {source!r}: {why}")
 
 
+def _read_config(source: str | os.PathLike, revision: str | None, gguf_file: str | None
+                 ) -> tuple[Any, str, str | None, bool, dict]:
+    """``(config, name, gguf, is_local, from_pretrained keywords)``: the model's config alone
+    (no weights), checked (:func:`check_config`)."""
+    from transformers import AutoConfig
+
+    name, gguf, is_local = _resolve_source(source, gguf_file)
+    src = os.fspath(source)
+    kw: dict[str, Any] = {}
+    if gguf is not None:
+        kw["gguf_file"] = gguf
+    if not is_local:
+        if revision is not None:
+            kw["revision"] = revision
+        if _hub_offline():
+            kw["local_files_only"] = True
+    try:
+        config = AutoConfig.from_pretrained(name, **kw)
+    except Exception as err:  # OSError, httpx/requests errors, ValueError, missing gguf, ...
+        raise _load_error(src, err, is_local) from None
+    check_config(config, name=src)
+    return config, name, gguf, is_local, kw
+
+
+def read_config(source: str | os.PathLike, *, revision: str | None = None,
+                gguf_file: str | None = None) -> Any:
+    """A model's config without its weights (a hub id, a local directory's ``config.json`` or a
+    GGUF file's header), checked as :func:`load_model` checks it."""
+    return _read_config(source, revision, gguf_file)[0]
+
+
+def meta_model(config: Any, dtype: torch.dtype = torch.float32) -> Any:
+    """The model a config describes, built on the ``meta`` device: every module and parameter
+    shape, no memory, no weights read."""
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForCausalLM
+
+    with init_empty_weights():
+        return AutoModelForCausalLM.from_config(config, dtype=dtype)
+
+
 def load_model(source: str | os.PathLike, *, revision: str | None = None,
                gguf_file: str | None = None, dtype: torch.dtype = torch.float32,
                device: str | torch.device = "cpu", device_map: Any = None,
@@ -116,23 +157,10 @@ def load_model(source: str | os.PathLike, *, revision: str | None = None,
     :class:`UnsupportedModelError` (conventions the exact layer does not model).
     """
     disable_tf32()
-    name, gguf, is_local = _resolve_source(source, gguf_file)
-    src = os.fspath(source)
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    kw: dict[str, Any] = {}
-    if gguf is not None:
-        kw["gguf_file"] = gguf
-    if not is_local:
-        if revision is not None:
-            kw["revision"] = revision
-        if _hub_offline():
-            kw["local_files_only"] = True
-    try:
-        config = AutoConfig.from_pretrained(name, **kw)
-    except Exception as err:  # OSError, httpx/requests errors, ValueError, missing gguf, ...
-        raise _load_error(src, err, is_local) from None
-    check_config(config, name=src)
+    config, name, gguf, is_local, kw = _read_config(source, revision, gguf_file)
+    src = os.fspath(source)
     mkw = dict(kw, dtype=dtype, attn_implementation="eager")
     if device_map == "auto" and max_memory is not None and set(max_memory) <= {"cpu", "disk"}:
         device_map = budget_device_map(config, max_memory["cpu"], dtype, name=src)
@@ -276,13 +304,9 @@ def budget_device_map(config: Any, budget: int, dtype: torch.dtype, name: str = 
     this rule is stated, and the sizes come from the model's own modules, built on the ``meta``
     device from its config (no weights read).  A budget below what the non-layer modules need
     raises :class:`ModelLoadError` naming both sizes."""
-    from accelerate import init_empty_weights
-    from transformers import AutoModelForCausalLM
-
     from .structure import decoder, layer_list
 
-    with init_empty_weights():
-        meta = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    meta = meta_model(config, dtype)
     layers = layer_list(decoder(meta))
     names = {id(m): n for n, m in meta.named_modules()}
     stack = names[id(layers)]

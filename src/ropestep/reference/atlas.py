@@ -514,3 +514,32 @@ def recompute(path: str | Path, *, maxkey_tie: float = 0.0, dps: int = 30) -> Re
     report, low, high = (assemble(dump, rows, k)
                          for k in ("kappa_mk", "kappa_mk_lo", "kappa_mk_hi"))
     return Reference(report, low, high, rows=rows, manifest=dump.manifest)
+
+
+# ---------------------------------------------------------------------------------------------
+# the counted work (docs/protocol.md section 11, `cost`)
+# ---------------------------------------------------------------------------------------------
+def counted_flops(manifest: dict) -> dict[str, float]:
+    """Section 11's operation counts (`cost`) of every dumped item, summed per phase, from the dumped
+    sizes: per head and query ``i`` with ``n = i + 1`` keys, ``2nd + 2ndr + 2nr`` in each
+    streamed pass; in the float64 original-gauge pass besides ``2nd^2 + 4/3 d^3 + 4 d^2 r`` and
+    (affine heads) ``4 d^3 + 4/3 d^3 + 4 d^2 r``, and ``2(m+1)d + 2dr`` for frozen reuse; the
+    projections ``2N(m+1)(Hd + H_kv d + H_kv r)`` once per item.  Plain causal heads only
+    (the atlas reference covers no window or soft-cap)."""
+    N = int(manifest["config"]["length"])
+    out = {"project": 0.0, "float64_original": 0.0, "lowp_maxkey": 0.0, "float64_maxkey": 0.0}
+    for _c, L in manifest["items"]:
+        f = manifest["layers"][str(L)]
+        d, r, m, H, Hk = (f[k] for k in ("head_dim", "r", "hidden", "n_heads", "n_kv_heads"))
+        per_query_keys = sum(i + 1 for i in range(N))
+        streamed = H * per_query_keys * (2 * d + 2 * d * r + 2 * r)
+        original = streamed + H * per_query_keys * 2 * d * d
+        original += H * N * (4 * d ** 3 / 3 + 4 * d * d * r)
+        if f["family"] == "dot":
+            original += H * N * (4 * d ** 3 + 4 * d ** 3 / 3 + 4 * d * d * r)
+        original += H * N * (2 * (m + 1) * d + 2 * d * r)
+        out["project"] += 2 * N * (m + 1) * (H * d + Hk * d + Hk * r)
+        out["float64_original"] += original
+        out["lowp_maxkey"] += streamed
+        out["float64_maxkey"] += streamed
+    return out

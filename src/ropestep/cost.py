@@ -1,0 +1,109 @@
+"""The work an atlas run must do, counted, and the rate this machine does it at.
+
+:func:`atlas_flops` counts the floating-point operations of each phase of one (context, layer)
+item of ``ropestep atlas`` (docs/protocol.md section 11, `cost`, states the counts per query and head):
+a multiply-add is 2 operations, an ``n x k`` by ``k x p`` product ``2 n k p``, a symmetric
+``d x d`` eigenvalue problem ``4/3 d^3`` (the tridiagonal reduction; the QR sweeps on the
+tridiagonal matrix are ``O(d^2)``), and element-wise work (exponentials, masks, maxima) is not
+counted: it is linear in the inputs, so the counts are a floor the run cannot go below.
+:func:`matmul_rate` measures this machine's GEMM rate in a dtype, with the threads the run uses,
+so that a report can say what fraction of it each phase achieved, and ``--plan`` can say what a
+run will cost before any weight is loaded (:func:`plan`).
+"""
+from __future__ import annotations
+
+import math
+import time
+from typing import Any
+
+import torch
+
+PHASES = ("project", "float64_original", "lowp_maxkey", "float64_maxkey")
+
+
+def prefix_sums(N: int, window: int | None) -> tuple[int, int]:
+    """``(sum_i n_i, Q)`` over the ``N`` queries of a causal context, ``n_i = i + 1`` keys (at
+    most ``window`` of them under a sliding window)."""
+    if window is None or window >= N:
+        return N * (N + 1) // 2, N
+    w = int(window)
+    return w * (w + 1) // 2 + (N - w) * w, N
+
+
+def atlas_flops(*, N: int, d: int, r: int, m: int, H: int, H_kv: int, affine: bool = True,
+                softcap: bool = False, window: int | None = None) -> dict[str, float]:
+    """Floating-point operations of each atlas phase on one (context, layer) item of ``N``
+    tokens (docs/protocol.md section 11, `cost`).  Per head and query ``i`` with ``n = n_i`` keys:
+
+    * every streamed pass: scores ``2 n d``, the coefficient-weighted sum ``T_i``
+      (``sum_j c_ij k^_j v^_j^T``, one GEMM row) ``2 n d r``, the output ``2 n r``;
+    * the float64 original-gauge pass besides (unless the scores are soft-capped, where the
+      step statistics are not defined): the Gram matrix ``G_i`` ``2 n d^2``, its largest
+      eigenvalue ``4/3 d^3``, the step's quadratic test ``4 d^2 r``; on affine heads the
+      input-space problem ``M_i = B_i^T G_i B_i`` ``4 d^3``, its eigenvalue ``4/3 d^3``, the test
+      ``4 d^2 r``; frozen reuse ``2 (m + 1) d + 2 d r``;
+    * the projections, once per item: ``2 N (m + 1) (H d + H_kv d + H_kv r)``.
+    """
+    S, Q = prefix_sums(N, window)
+    streamed = H * (2 * S * d + 2 * S * d * r + 2 * S * r)
+    extra = 0.0
+    if not softcap:
+        extra += H * (2 * S * d * d + Q * (4 / 3 * d ** 3 + 4 * d * d * r))
+        if affine:
+            extra += H * Q * (4 * d ** 3 + 4 / 3 * d ** 3 + 4 * d * d * r)
+    extra += H * Q * (2 * (m + 1) * d + 2 * d * r)
+    return {"project": 2.0 * N * (m + 1) * (H * d + H_kv * d + H_kv * r),
+            "float64_original": float(streamed + extra),
+            "lowp_maxkey": float(streamed), "float64_maxkey": float(streamed)}
+
+
+def matmul_rate(dtype: torch.dtype = torch.float64, n: int = 512, seconds: float = 0.3,
+                device: Any = "cpu") -> float:
+    """This machine's GEMM rate in ``dtype`` (operations per second; ``n x n`` products, the
+    best of repeated timings over about ``seconds``, with torch's current thread count)."""
+    g = torch.Generator(device="cpu").manual_seed(0)
+    a = torch.randn(n, n, generator=g, dtype=torch.float32).to(device=device, dtype=dtype)
+    b = torch.randn(n, n, generator=g, dtype=torch.float32).to(device=device, dtype=dtype)
+    sync = torch.cuda.synchronize if str(device).startswith("cuda") else (lambda: None)
+    torch.mm(a, b)  # warm-up
+    sync()
+    best, spent = math.inf, 0.0
+    while spent < seconds or best == math.inf:
+        t = time.perf_counter()
+        torch.mm(a, b)
+        sync()
+        dt = time.perf_counter() - t
+        best, spent = min(best, dt), spent + dt
+    return 2.0 * n ** 3 / best
+
+
+def phase_report(flops: dict[str, float], seconds: dict[str, float], rates: dict[str, float],
+                 lowp: str, forward_seconds: float | None) -> dict:
+    """Per phase the counted work, its time, the achieved rate and its fraction of this
+    machine's GEMM rate in the phase's dtype; overall the same, and the work's time against
+    the model's own forwards over the same tokens."""
+    dt = {"project": "float64", "float64_original": "float64", "lowp_maxkey": lowp,
+          "float64_maxkey": "float64"}
+    names = {"lowp_maxkey": f"{lowp}_maxkey"}
+    out: dict[str, Any] = {"phases": {}}
+    floor = 0.0
+    for ph in PHASES:
+        f, s = flops.get(ph, 0.0), seconds.get(names.get(ph, ph))
+        if s is None:
+            continue
+        rate = rates[dt[ph]]
+        floor += f / rate
+        out["phases"][names.get(ph, ph)] = {
+            "flops": f, "seconds": s, "dtype": dt[ph],
+            "achieved_flops_per_s": f / s if s > 0 else math.nan,
+            "fraction_of_matmul": (f / s) / rate if s > 0 else math.nan}
+    work_s = sum(p["seconds"] for p in out["phases"].values())
+    out["matmul_flops_per_s"] = dict(rates)
+    out["work_seconds"] = work_s
+    out["floor_seconds"] = floor  # every phase at this machine's GEMM rate
+    out["fraction_of_matmul"] = floor / work_s if work_s > 0 else math.nan
+    if forward_seconds:
+        out["model_forward_seconds"] = forward_seconds
+        out["work_over_model_forward"] = work_s / forward_seconds
+        out["floor_over_model_forward"] = floor / forward_seconds
+    return out
