@@ -104,3 +104,17 @@ def test_offloaded_heads_is_the_in_memory_heads(big_dir, tmp_path):
     skip = ("environment", "timing_seconds", "peak_rss_mib", "command")
     assert {k: v for k, v in whole.items() if k not in skip} == \
         {k: v for k, v in off.items() if k not in skip}
+
+
+def test_committed_qwen_atlas_offloaded_is_the_in_memory_one():
+    """The committed Qwen2.5 atlas run with half the model's float32 size as budget
+    (validation/atlas-qwen2.5-coder-0.5b-offload/) against the committed in-memory run: the
+    same numbers, layers on disk, and a lower peak resident memory, as each report records."""
+    root = Path(__file__).resolve().parents[1] / "validation"
+    whole = json.loads((root / "atlas-qwen2.5-coder-0.5b" / "report.json").read_text())
+    off = json.loads((root / "atlas-qwen2.5-coder-0.5b-offload" / "report.json").read_text())
+    assert "--max-memory" in off["command"]
+    place = off["run"]["placement"]
+    assert place["modules_per_device"]["disk"] >= 12 and place["max_memory"]["cpu"] <= 1.27e9
+    assert off["verdict"]["passed"] and atlas.same_report(whole, off)
+    assert off["peak_rss_mib"] < whole["peak_rss_mib"]
