@@ -118,3 +118,21 @@ def test_committed_qwen_atlas_offloaded_is_the_in_memory_one():
     assert place["modules_per_device"]["disk"] >= 12 and place["max_memory"]["cpu"] <= 1.27e9
     assert off["verdict"]["passed"] and atlas.same_report(whole, off)
     assert off["peak_rss_mib"] < whole["peak_rss_mib"]
+
+
+def test_peak_memory_is_the_process_own():
+    """A report's ``peak_rss_mib`` is its own process's (runstate.peak_rss_mib): started from a
+    process that holds 600 MiB, a small process reports far less -- ``getrusage``'s
+    ``ru_maxrss`` would report the parent's 600 MiB, carried over across fork and exec (a test
+    worker's peak once made the offloaded and the in-memory atlas above look alike)."""
+    big = bytearray(600 * 2 ** 20)
+    big[::4096] = b"\x01" * len(big[::4096])  # touch every page
+    code = ("from ropestep.runstate import peak_rss_mib; import resource; "
+            "print(peak_rss_mib(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(Path(atlas.__file__).parents[1]), os.environ.get("PYTHONPATH", "")])}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                         timeout=120).stdout.split()
+    ours, inherited = float(out[0]), float(out[1])
+    del big
+    assert ours < 300, (ours, inherited)  # (inherited is ~600 on Linux: the kernel's carry-over)

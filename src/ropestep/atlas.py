@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import json
 import math
-import resource
 import shutil
 import sys
 import tempfile
@@ -49,7 +48,7 @@ from .dist import (broadcast_from_rank0, exit_worker, finish, gather_to_rank0,
                    init_distributed, shard_contiguous, under_launcher)
 from .kernel import augment, transform
 from .provenance import portable_command, portable_config, portable_name
-from .runstate import Progress
+from .runstate import Progress, peak_rss_mib
 from .rope import apply_rope
 from .spec import HeadSpec, HeadWeights, RoPESpec
 from .verdict import device_problem, input_error, output_and_threads_problem
@@ -709,7 +708,7 @@ def run(cfg: AtlasConfig, *, progress: bool = True, command: Sequence[str] | Non
                 "placement": models.placement_record(model, placement),
                 "rank_items": {str(p["rank"]): [[c, L] for c, L, _ in p["done"]] for p in parts},
                 "rank_timing_seconds": {str(p["rank"]): p["timers"] for p in parts}},
-        "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0,
+        "peak_rss_mib": peak_rss_mib(),
         "layers": out_layers,
         "replication_style_descent": replication_style(rep_inc, rep_lam),
         "verdict": {"passed": not failed, "failed": failed},

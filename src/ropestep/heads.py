@@ -52,7 +52,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import resource
 import shutil
 import sys
 import tempfile
@@ -65,6 +64,7 @@ import torch
 
 from . import rope
 from .provenance import model_files, portable_command, portable_name, sha256_file
+from .runstate import peak_rss_mib
 from .spec import HeadSpec, HeadWeights
 from .verdict import Failure, input_error, output_and_threads_problem, print_failures
 
@@ -511,7 +511,7 @@ def run(model: str, *, layers: str = "all", revision: str | None = None, gguf: s
         "environment": {**environment("cpu"),
                         "placement": models.placement_record(m, placement)},
         "timing_seconds": {"load_model": t1 - t0, "diagnose": t2 - t1},
-        "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0,
+        "peak_rss_mib": peak_rss_mib(),
         "run": {"world_size": len(res["rank_layers"]), "rank_layers": res["rank_layers"]},
         "verdict": {"passed": not fl, "failed": [f.as_dict() for f in fl]},
     }

@@ -211,3 +211,21 @@ class Progress:
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
+
+
+def peak_rss_mib() -> float:
+    """This process's peak resident memory in MiB: the kernel's high-water mark of the current
+    address space (``VmHWM`` of ``/proc/self/status``), which starts afresh at ``exec``.
+    ``getrusage``'s ``ru_maxrss`` does not: Linux carries it over from the parent across fork and
+    exec, so a run started from a large process (a test worker, a notebook) would report that
+    process's peak as its own.  ``ru_maxrss`` is the fallback where ``/proc`` is absent."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024.0
+    except (OSError, ValueError, IndexError):
+        pass
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0

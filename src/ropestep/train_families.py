@@ -65,7 +65,6 @@ from __future__ import annotations
 import functools
 import math
 import os
-import resource
 import sys
 import time
 from dataclasses import asdict, dataclass, field, replace
@@ -79,6 +78,7 @@ import torch.nn.functional as F
 from . import heads as heads_mod
 from .families import CHECKPOINT_SCHEMA, VARIANTS, GPT, GPTConfig, check_gpt, load_checkpoint
 from .provenance import portable_command, portable_name, sha256_file
+from .runstate import peak_rss_mib
 from .verdict import (Failure, device_problem, dumps, input_error, num, output_and_threads_problem,
                       print_failures, worst)
 
@@ -654,7 +654,7 @@ def run(cfg: TrainConfig, out: Path, *, progress: bool = True,
                          "cpu_count": os.cpu_count()},
         "wall_seconds": {"data": t_data, **{v: r["wall_seconds"]["total"]
                                             for v, r in variants.items()}, "total": total},
-        "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0,
+        "peak_rss_mib": peak_rss_mib(),
         "variants": variants,
         "drift": drift,
         "verdict": {"passed": not failed, "failed": failed},
