@@ -1134,12 +1134,20 @@ def run(cfg: Config, *, progress: bool = True, command: Sequence[str] | None = N
     timings["block_selection_s"] = time.perf_counter() - t
 
     dev = cfg.device
-    specs = {L: models.layer_head(model, L, cfg.prefix_len, dtype=torch.float64, device=dev)
-             for L in layers}
+    def head(L: int) -> tuple[Any, Any]:
+        """Layer ``L``'s description and float64 weights, read when the layer's checks need
+        them and dropped after: one layer's float64 weights at a time (a 70B model's 80 layers
+        would hold ~100 GB), read through the offload hook when the layer is on disk."""
+        return models.layer_head(model, L, cfg.prefix_len, dtype=torch.float64, device=dev)
+
+    facts: dict[int, dict] = {}  # each layer's sizes and layout (the dump's manifest)
     if dump_raw is not None:
         dump_raw.mkdir(parents=True, exist_ok=True)
         for L in layers:
-            dump_layer(dump_raw, L, *specs[L])
+            spec, w = head(L)
+            dump_layer(dump_raw, L, spec, w)
+            facts[L] = layer_facts(spec, w)
+            del spec, w
     ctx_records, per_layer = [], {L: [] for L in layers}
     real = {L: [] for L in layers}
     oracle_rows = exact_sample(len(blocks), info.n_heads, cfg.prefix_len, cfg.exact_rows, cfg.seed)
@@ -1162,13 +1170,11 @@ def run(cfg: Config, *, progress: bool = True, command: Sequence[str] | None = N
                 dump_context(dump_raw, c, cap)
                 for L in layers:
                     dump_item(dump_raw, c, L, cap, DTYPES[cfg.dtype])
-            t = time.perf_counter()
             for L in layers:
-                spec, w = specs[L]
+                spec, w = head(L)
+                t = time.perf_counter()
                 per_layer[L].append(evaluate_layer(spec, w, cap, L, cfg.dtype, dev))
-            t_eval += time.perf_counter() - t
-            for L in layers:
-                spec, w = specs[L]
+                t_eval += time.perf_counter() - t
                 if oracle_rows.get(c):
                     t = time.perf_counter()
                     job = (spec, w, cap.prefix[L].x.double().numpy(), oracle_rows[c])
@@ -1181,6 +1187,7 @@ def run(cfg: Config, *, progress: bool = True, command: Sequence[str] | None = N
                 t_real += time.perf_counter() - t
                 if raw:
                     dump_model_item(dump_raw, c, L, raw, DTYPES[cfg.dtype])
+                del spec, w
             ctx_records.append(_context_record(c, blk, cap, tok))
             bar(context=c)
         # the oracle rows: what is still running once the torch work is done is waited for here
@@ -1261,7 +1268,7 @@ def run(cfg: Config, *, progress: bool = True, command: Sequence[str] | None = N
     }
     result["verdict"] = verdict_block(result)
     if dump_raw is not None:
-        write_raw_manifest(dump_raw, result, specs, len(blocks))
+        write_raw_manifest(dump_raw, result, facts, len(blocks))
     return result
 
 
@@ -1371,18 +1378,21 @@ def dump_model_item(out: Path, context: int, layer: int, raw: dict,
     save_tensors(out / f"context{context}_layer{layer}_model.safetensors", tensors)
 
 
-def write_raw_manifest(out: Path, result: dict, specs: dict[int, tuple[Any, Any]],
+def layer_facts(sp: Any, w: Any) -> dict:
+    """One layer's sizes and layout, as the dump's manifest records them."""
+    return {"n_heads": sp.n_heads, "n_kv_heads": sp.n_kv_heads, "head_dim": sp.head_dim,
+            "r": sp.r, "hidden": int(w.w_q.shape[0]), "out": int(w.w_o.shape[-1]),
+            "layout": sp.rope.layout, "family": sp.family}
+
+
+def write_raw_manifest(out: Path, result: dict, facts: dict[int, dict],
                        n_contexts: int) -> None:
     """``validate_raw.json``: the report's ``command``, ``config``, ``model``, ``corpus``,
     ``protocol`` and ``seeds`` exactly as it records them, the ``(context, layer)`` items
-    dumped, and each layer's head layout."""
-    layers = {str(L): {"n_heads": sp.n_heads, "n_kv_heads": sp.n_kv_heads,
-                       "head_dim": sp.head_dim, "r": sp.r, "hidden": int(w.w_q.shape[0]),
-                       "out": int(w.w_o.shape[-1]), "layout": sp.rope.layout,
-                       "family": sp.family}
-              for L, (sp, w) in sorted(specs.items())}
+    dumped, and each layer's head layout (:func:`layer_facts`)."""
+    layers = {str(L): f for L, f in sorted(facts.items())}
     manifest = {"schema": RAW_SCHEMA, **{k: result[k] for k in RAW_ECHOES},
-                "items": [[c, L] for c in range(n_contexts) for L in sorted(specs)],
+                "items": [[c, L] for c in range(n_contexts) for L in sorted(facts)],
                 "layers": layers}
     (out / RAW_MANIFEST).write_text(json.dumps(encode(manifest), indent=1, allow_nan=False)
                                     + "\n", encoding="utf-8")
