@@ -190,3 +190,90 @@ def test_validate_progress_lines_off_a_terminal(model_dir, tmp_path, capsys):
     lines = [ln for ln in capsys.readouterr().err.splitlines() if ": context " in ln]
     assert [ln.split(": context ")[1].split(" done")[0] for ln in lines] == ["0", "1"], lines
     assert lines[-1].split("(")[1].startswith("2/2)") and lines[-1].endswith(" s left"), lines
+
+
+VALIDATE = ["--contexts", "3", "--queries", "3", "--prefix-len", "20", "--layers", "all",
+            "--heads", "all", "--exact-rows", "2", "--seed", "5", "--threads", "1", "--quiet",
+            "--no-figures"]
+SLOW_VALIDATE = """
+import sys, time
+from ropestep import cli, protocol
+inner = protocol._context_record
+def slow(*a, **k):
+    out = inner(*a, **k)
+    time.sleep(1.5)
+    return out
+protocol._context_record = slow
+sys.exit(cli.main(sys.argv[1:]))
+"""
+
+
+def test_a_killed_validate_resumes_to_the_uninterrupted_report(model_dir, tmp_path):
+    """The same for ``validate``, per context (every layer, its real-head checks and its oracle
+    rows): killed after its first context, resumed, the same report (timings, the time of
+    writing and the ``run`` record aside)."""
+    whole_out = tmp_path / "whole"
+    assert cli.main(["validate", "--model", str(model_dir), *VALIDATE, "--out",
+                     str(whole_out)]) == 0
+    whole = json.loads((whole_out / "report.json").read_text())
+    out, run_dir = tmp_path / "v", tmp_path / "v.run"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(Path(atlas.__file__).parents[1]), os.environ.get("PYTHONPATH", "")])}
+    child = subprocess.Popen([sys.executable, "-c", SLOW_VALIDATE, "validate", "--model",
+                              str(model_dir), *VALIDATE, "--out", str(out)], env=env,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 300
+        while not list(run_dir.glob("context*.json")):
+            assert child.poll() is None, child.stderr.read().decode()[-2000:]
+            assert time.monotonic() < deadline, "no context finished within 300 s"
+            time.sleep(0.02)
+        child.send_signal(signal.SIGKILL)
+        assert child.wait(60) == -signal.SIGKILL
+    finally:
+        if child.poll() is None:
+            child.kill()
+        child.stderr.close()
+    kept = sorted(p.stem for p in run_dir.glob("context*.json"))
+    assert 1 <= len(kept) < 3 and not (out / "report.json").exists(), kept
+    assert cli.main(["validate", "--model", str(model_dir), *VALIDATE, "--resume",
+                     "--out", str(out)]) == 0
+    resumed = json.loads((out / "report.json").read_text())
+    assert resumed["run"]["resumed_contexts"] == [int(k[len("context"):]) for k in kept]
+    skip = {"timings", "created_utc", "run", "command"}
+
+    def timeless(x):  # the oracle rows' exact_seconds are wall-clock time
+        if isinstance(x, dict):
+            return {k: timeless(v) for k, v in x.items() if k != "exact_seconds"}
+        return [timeless(v) for v in x] if isinstance(x, list) else x
+
+    assert timeless({k: v for k, v in resumed.items() if k not in skip}) == \
+        timeless({k: v for k, v in whole.items() if k not in skip})
+    assert not run_dir.exists()
+
+
+def test_a_resumed_context_is_read_not_recomputed(model_dir, tmp_path, monkeypatch):
+    """Power of the test above: a kept context is what the report uses (a planted change in one
+    reaches the report), and a fully kept run evaluates nothing."""
+    from ropestep import protocol, report
+
+    out, run_dir = tmp_path / "v", tmp_path / "rd"
+    argv = ["validate", "--model", str(model_dir), *VALIDATE, "--run-dir", str(run_dir),
+            "--out", str(out)]
+    monkeypatch.setattr(report, "write_report", lambda *a, **k: (_ for _ in ()).throw(
+        KeyboardInterrupt()))
+    with pytest.raises(KeyboardInterrupt):
+        cli.main(argv)
+    monkeypatch.undo()
+    state = runstate.RunDir(run_dir, {}, True)
+    assert state.done() == ["context0", "context1", "context2"]
+    tree = state.load_tree("context1", protocol.RUN_CLASSES)
+    tree["record"]["observed_rank"] += 1000  # planted
+    state.save_tree("context1", tree, protocol.RUN_CLASSES)
+    calls = []
+    monkeypatch.setattr(protocol, "evaluate_layer", lambda *a, **k: calls.append(a))
+    assert cli.main([*argv, "--resume"]) == 0
+    assert calls == []
+    got = json.loads((out / "report.json").read_text())
+    assert got["run"]["resumed_contexts"] == [0, 1, 2]
+    assert got["contexts"][1]["observed_rank"] >= 1000

@@ -70,6 +70,13 @@ def add_validate_arguments(p: argparse.ArgumentParser) -> None:
     from .models import add_placement_arguments
 
     add_placement_arguments(p)
+    p.add_argument("--run-dir", metavar="DIR", default=None,
+                   help="where each finished context is kept as it completes, removed once "
+                        "the report is written [OUT.run, beside --out]")
+    p.add_argument("--resume", action="store_true",
+                   help="continue a killed run from its run directory: contexts already there "
+                        "are read back, not recomputed (same configuration and model files "
+                        "only; another run's directory is refused)")
     p.add_argument("--dump-raw", metavar="DIR", default=None,
                    help="also write the raw tensors the reconstruction, reuse, calibration, "
                         "descent and fast sections are computed from (inputs, weights, RoPE tables, the "
@@ -101,6 +108,15 @@ def cmd_validate(args: argparse.Namespace, argv: Sequence[str]) -> int:
         place = models.placement(args.device_map, args.max_memory, args.offload_folder)
     except models.ModelLoadError as err:
         return input_error(prog, err)
+    if dump_raw is not None and args.resume:
+        return input_error(prog, protocol.ProtocolError(
+            "--dump-raw writes the inputs of every context as it computes them: not with "
+            "--resume (run without it)"))
+    run_dir = Path(args.run_dir) if args.run_dir is not None else \
+        out.parent / (out.name + ".run")
+    if run_dir.resolve() == out.resolve():
+        return input_error(prog, protocol.ProtocolError(
+            "--run-dir must not be the report directory (--out)"))
     if args.threads is not None:
         import torch
 
@@ -126,7 +142,8 @@ def cmd_validate(args: argparse.Namespace, argv: Sequence[str]) -> int:
         rank, world, _ = init_distributed(None, "cpu" if args.device == "cpu" else args.device)
         try:
             result = protocol.run(cfg, progress=not args.quiet, command=["ropestep", *argv],
-                                  dump_raw=dump_raw, dist_info=(rank, world), placement=place)
+                                  dump_raw=dump_raw, dist_info=(rank, world), placement=place,
+                                  run_dir=run_dir, resume=args.resume)
         except (protocol.ProtocolError, corpus_mod.CorpusError, *load_errors) as err:
             return input_error(prog, err)
         except FloatingPointError as err:  # the float64 evaluation met a NaN/inf: a failed check
@@ -144,6 +161,7 @@ def cmd_validate(args: argparse.Namespace, argv: Sequence[str]) -> int:
                 code = input_error(prog, err)
             else:
                 code = EXIT_PASS if result["verdict"]["pass"] else EXIT_FAIL
+                shutil.rmtree(run_dir, ignore_errors=True)  # the report holds it all now
         code = broadcast_from_rank0(code, rank, world)
         synced = True
         if rank != 0 or code == EXIT_INPUT:

@@ -1080,8 +1080,8 @@ def is_paper_setup(cfg: Config, layers: Sequence[int], heads: Sequence[int] | No
 def run(cfg: Config, *, progress: bool = True, command: Sequence[str] | None = None,
         loaded: tuple[Any, Any, dict] | None = None,
         log: Callable[[str], None] | None = None, dump_raw: Path | None = None,
-        dist_info: tuple[int, int] | None = None, placement: dict | None = None
-        ) -> dict | None:
+        dist_info: tuple[int, int] | None = None, placement: dict | None = None,
+        run_dir: Path | None = None, resume: bool = False) -> dict | None:
     """Run the experiment and return the report dict (the report itself is not written here).
 
     ``dist_info = (rank, world)`` under torchrun (:func:`ropestep.dist.init_distributed`): the
@@ -1090,6 +1090,9 @@ def run(cfg: Config, *, progress: bool = True, command: Sequence[str] | None = N
     report, the other ranks None.  Every context is computed from its own inputs alone, so the
     report does not depend on the number of processes (timings and ``run`` aside).
     ``placement``: accelerate's big-model placement (:func:`ropestep.models.placement`).
+    ``run_dir``: every finished context (all its layers, real-head checks and oracle rows) is
+    kept there as it completes (:mod:`ropestep.runstate`); with ``resume`` the contexts already
+    there, of a run with the same configuration and model files, are read back, not recomputed.
 
     ``loaded`` may pass an already loaded ``(model, tokenizer, provenance)`` (tests).
     ``dump_raw``: a directory that receives the raw tensors the ``reconstruction``, ``reuse``,
@@ -1155,12 +1158,51 @@ def run(cfg: Config, *, progress: bool = True, command: Sequence[str] | None = N
     mine = shard_contiguous(list(range(len(blocks))), rank, world)
     oracle_rows = {c: rows for c, rows in oracle_rows.items() if c in mine}
     t_cap = t_eval = t_fwd = t_real = t_exact = t_inline = 0.0
-    oracle = _OraclePool(bool(oracle_rows), inline=os.environ.get("ROPESTEP_ORACLE_INLINE") == "1")
-    pending: list[tuple[int, int, tuple, Any]] = []  # (layer, index in real[layer], job, future)
+    state = None if run_dir is None else _open_run_dir(run_dir, resume, cfg, prov, len(blocks),
+                                                       rank, world)
+    kept = {}
+    if state is not None:
+        for c in mine:
+            got = state.load_tree(f"context{c}", RUN_CLASSES)
+            if got is not None:
+                kept[c] = got
+    oracle = _OraclePool(bool({c for c in oracle_rows if c not in kept}),
+                         inline=os.environ.get("ROPESTEP_ORACLE_INLINE") == "1")
+    # (layer, index in real[layer], job, future, context)
+    pending: list[tuple[int, int, tuple, Any, int]] = []
+    unsaved: dict[int, dict] = {}  # finished contexts whose oracle rows may still be running
+
+    def settle(wait: bool) -> None:
+        """Put the oracle rows that are done (all, with ``wait``) into their records, then keep
+        every finished context none of whose rows is still running (``--run-dir``)."""
+        for item in list(pending):
+            L, k, job, fut, _c = item
+            if not (wait or fut.done()):
+                continue
+            try:
+                real[L][k]["exact_rows"] = fut.result()
+            except concurrent.futures.process.BrokenProcessPool:
+                # the side process could not run (a starved or restricted machine): the same
+                # rows in this process, never a skipped check
+                real[L][k]["exact_rows"] = oracle_job(*job)
+            pending.remove(item)
+        busy = {p[4] for p in pending}
+        for c in [c for c in unsaved if c not in busy]:
+            if state is not None:
+                state.save_tree(f"context{c}", unsaved[c], RUN_CLASSES)
+            del unsaved[c]
+
     bar = _progress(len(mine), progress and rank == 0,
                     f"{Path(prov['source']).name} L={cfg.prefix_len}")
+    bar.skipped(len(kept))
     try:
         for c in mine:
+            if c in kept:  # read back from the run directory: not recomputed
+                for L in layers:
+                    per_layer[L].append(kept[c]["per_layer"][L])
+                    real[L].append(kept[c]["real"][L])
+                ctx_records.append(kept[c]["record"])
+                continue
             blk = blocks[c]
             t_fwd += time_forward(model, blk.ids)
             t = time.perf_counter()
@@ -1178,7 +1220,7 @@ def run(cfg: Config, *, progress: bool = True, command: Sequence[str] | None = N
                 if oracle_rows.get(c):
                     t = time.perf_counter()
                     job = (spec, w, cap.prefix[L].x.double().numpy(), oracle_rows[c])
-                    pending.append((L, len(real[L]), job, oracle.submit(*job)))
+                    pending.append((L, len(real[L]), job, oracle.submit(*job), c))
                     t_inline += time.perf_counter() - t
                 t = time.perf_counter()
                 raw = {} if dump_raw is not None and c == 0 else None
@@ -1189,24 +1231,21 @@ def run(cfg: Config, *, progress: bool = True, command: Sequence[str] | None = N
                     dump_model_item(dump_raw, c, L, raw, DTYPES[cfg.dtype])
                 del spec, w
             ctx_records.append(_context_record(c, blk, cap, tok))
+            unsaved[c] = {"per_layer": {L: per_layer[L][-1] for L in layers},
+                          "real": {L: real[L][-1] for L in layers}, "record": ctx_records[-1]}
+            settle(wait=False)
             bar(context=c)
         # the oracle rows: what is still running once the torch work is done is waited for here
         t = time.perf_counter()
-        for L, k, job, fut in pending:
-            try:
-                real[L][k]["exact_rows"] = fut.result()
-            except concurrent.futures.process.BrokenProcessPool:
-                # the side process could not run (a starved or restricted machine): the same
-                # rows in this process, never a skipped check
-                real[L][k]["exact_rows"] = oracle_job(*job)
+        settle(wait=True)
         t_exact = t_inline + time.perf_counter() - t
     finally:
         oracle.close()
         bar.close()
     timings["capture_s"], timings["evaluate_s"] = t_cap, t_eval
     parts = gather_to_rank0({"rank": rank, "contexts": mine, "per_layer": per_layer,
-                             "real": real, "records": ctx_records, "t_fwd": t_fwd},
-                            rank, world)
+                             "real": real, "records": ctx_records, "t_fwd": t_fwd,
+                             "resumed": sorted(kept)}, rank, world)
     if rank != 0:
         return None
     if sorted(c for p in parts for c in p["contexts"]) != list(range(len(blocks))):
@@ -1261,6 +1300,7 @@ def run(cfg: Config, *, progress: bool = True, command: Sequence[str] | None = N
         "timings": timings,
         "run": {"world_size": world,
                 "rank_contexts": {str(p["rank"]): p["contexts"] for p in parts},
+                "resumed_contexts": sorted(c for p in parts for c in p["resumed"]),
                 "placement": models.placement_record(model, placement)},
         "contexts": ctx_records,
         "layers": layer_out,
@@ -1270,6 +1310,34 @@ def run(cfg: Config, *, progress: bool = True, command: Sequence[str] | None = N
     if dump_raw is not None:
         write_raw_manifest(dump_raw, result, facts, len(blocks))
     return result
+
+
+RUN_SCHEMA = "ropestep.validate-run/1"
+RUN_CLASSES = {"LayerContext": LayerContext}
+
+
+def _open_run_dir(path: Path, resume: bool, cfg: Config, prov: dict, n_blocks: int,
+                  rank: int, world: int):
+    """The run directory, opened by rank 0 first (a fresh start or a checked resume), then
+    joined by the other ranks.  Fingerprint: the configuration, the model's provenance (its
+    files' sha256), the number of contexts and ropestep's version."""
+    from .runstate import RunStateError, open_run
+    from .dist import broadcast_from_rank0
+
+    fp = json.loads(json.dumps({"schema": RUN_SCHEMA, "config": asdict(cfg),
+                                "model": {k: v for k, v in prov.items()
+                                          if k not in ("argument", "source")},
+                                "contexts": n_blocks, "ropestep": __version__}, default=str))
+    err, state = None, None
+    if rank == 0:
+        try:
+            state = open_run(path, fp, resume=resume)
+        except RunStateError as e:
+            err = str(e)
+    err = broadcast_from_rank0(err, rank, world)
+    if err is not None:
+        raise ProtocolError(err)
+    return state if rank == 0 else open_run(path, fp, resume=True)
 
 
 def _context_record(c: int, blk: Block, cap: ContextCapture, tok: Any) -> dict:

@@ -110,6 +110,17 @@ class RunDir:
                                 "its record; start without --resume")
         return arrays, rec["meta"]
 
+    def save_tree(self, key: str, tree: Any, classes: dict[str, type] | None = None) -> None:
+        """Keep one finished item that is a tree of dicts, lists, tuples, numbers, strings,
+        arrays, tensors and the dataclasses of ``classes`` (:func:`encode_tree`)."""
+        meta, arrays = encode_tree(tree, classes or {})
+        self.save(key, arrays, {"tree": meta})
+
+    def load_tree(self, key: str, classes: dict[str, type] | None = None) -> Any:
+        """A tree :meth:`save_tree` kept, equal to the one saved (None when not there)."""
+        got = self.load(key)
+        return None if got is None else decode_tree(got[1]["tree"], got[0], classes or {})
+
     def done(self) -> list[str]:
         """Keys of the items whose record is there (sorted)."""
         return sorted(p.stem for p in self.path.glob("*.json") if p.name != MANIFEST)
@@ -117,6 +128,84 @@ class RunDir:
     def remove(self) -> None:
         """Delete the run directory (after the final report is published)."""
         shutil.rmtree(self.path, ignore_errors=True)
+
+
+def encode_tree(tree: Any, classes: dict[str, type]) -> tuple[Any, dict[str, np.ndarray]]:
+    """``(JSON tree, arrays)`` that :func:`decode_tree` turns back into ``tree`` exactly: every
+    node carries its type (dict keys of any JSON-able type, tuples apart from lists, floats as
+    their ``repr`` -- NaN, infinities and -0.0 kept -- numpy scalars with their dtype), arrays
+    and tensors go to ``arrays`` bit for bit (a tensor keeps its dtype, on the CPU), and a
+    dataclass instance of ``classes`` (name -> class) by its fields."""
+    import dataclasses
+
+    arrays: dict[str, np.ndarray] = {}
+
+    def enc(x: Any) -> Any:
+        if x is None or isinstance(x, (bool, str)):
+            return x
+        if isinstance(x, np.generic):  # before float and int: np.float64 is a float
+            return {"np": x.dtype.str, "value": enc(x.item())}
+        if isinstance(x, int):
+            return {"int": str(int(x))}
+        if isinstance(x, float):
+            return {"float": float.__repr__(x)}
+        if isinstance(x, np.ndarray):
+            k = f"a{len(arrays)}"
+            arrays[k] = x
+            return {"ndarray": k}
+        if type(x).__module__.startswith("torch") and hasattr(x, "detach"):
+            k = f"a{len(arrays)}"
+            t = x.detach().cpu()
+            dt = str(t.dtype).replace("torch.", "")
+            arrays[k] = (t.view(torch_int16()) if dt == "bfloat16" else t).numpy()
+            return {"tensor": k, "dtype": dt}
+        if isinstance(x, (list, tuple)):
+            return {"list" if isinstance(x, list) else "tuple": [enc(v) for v in x]}
+        if isinstance(x, dict):
+            return {"dict": [[enc(k), enc(v)] for k, v in x.items()]}
+        if dataclasses.is_dataclass(x) and type(x).__name__ in classes:
+            return {"dataclass": type(x).__name__,
+                    "fields": {f.name: enc(getattr(x, f.name)) for f in dataclasses.fields(x)}}
+        raise TypeError(f"cannot keep a {type(x).__name__} in a run directory")
+
+    return enc(tree), arrays
+
+
+def torch_int16() -> Any:
+    import torch
+
+    return torch.int16
+
+
+def decode_tree(meta: Any, arrays: dict[str, np.ndarray], classes: dict[str, type]) -> Any:
+    """The inverse of :func:`encode_tree`."""
+    def dec(x: Any) -> Any:
+        if x is None or isinstance(x, (bool, str)):
+            return x
+        if "int" in x:
+            return int(x["int"])
+        if "float" in x:
+            return float(x["float"])
+        if "np" in x:
+            return np.dtype(x["np"]).type(dec(x["value"]))
+        if "ndarray" in x:
+            return arrays[x["ndarray"]]
+        if "tensor" in x:
+            import torch
+
+            t = torch.from_numpy(np.array(arrays[x["tensor"]]))
+            return t.view(torch.bfloat16) if x["dtype"] == "bfloat16" else t
+        if "list" in x:
+            return [dec(v) for v in x["list"]]
+        if "tuple" in x:
+            return tuple(dec(v) for v in x["tuple"])
+        if "dict" in x:
+            return {dec(k): dec(v) for k, v in x["dict"]}
+        if "dataclass" in x:
+            return classes[x["dataclass"]](**{k: dec(v) for k, v in x["fields"].items()})
+        raise ValueError(f"not a kept tree node: {str(x)[:80]}")
+
+    return dec(meta)
 
 
 def open_run(path: str | Path, fingerprint: dict, *, resume: bool) -> RunDir:
