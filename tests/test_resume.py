@@ -58,19 +58,18 @@ def items_on_disk(run_dir: Path) -> list[str]:
     return sorted(p.stem for p in run_dir.glob("context*_layer*.json"))
 
 
-def test_a_killed_run_resumes_to_the_uninterrupted_report(model_dir, uninterrupted, tmp_path,
-                                                            capsys):
-    out, run_dir = tmp_path / "atlas", tmp_path / "atlas.run"
+def kill_after_first(script: str, argv: list[str], run_dir: Path, pattern: str) -> None:
+    """Run ``script`` (a slowed command) in its own process and SIGKILL it as soon as the first
+    file matching ``pattern`` is in ``run_dir``."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         [str(Path(atlas.__file__).parents[1]), os.environ.get("PYTHONPATH", "")])}
-    child = subprocess.Popen([sys.executable, "-c", SLOW_CHILD, "--model", str(model_dir),
-                              *ARGS, "--out", str(out)], env=env,
+    child = subprocess.Popen([sys.executable, "-c", script, *argv], env=env,
                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
         deadline = time.monotonic() + 300
-        while not items_on_disk(run_dir):
+        while not list(run_dir.glob(pattern)):
             assert child.poll() is None, child.stderr.read().decode()[-2000:]
-            assert time.monotonic() < deadline, "no item finished within 300 s"
+            assert time.monotonic() < deadline, "nothing finished within 300 s"
             time.sleep(0.02)
         child.send_signal(signal.SIGKILL)
         assert child.wait(60) == -signal.SIGKILL
@@ -78,6 +77,13 @@ def test_a_killed_run_resumes_to_the_uninterrupted_report(model_dir, uninterrupt
         if child.poll() is None:
             child.kill()
         child.stderr.close()
+
+
+def test_a_killed_run_resumes_to_the_uninterrupted_report(model_dir, uninterrupted, tmp_path,
+                                                            capsys):
+    out, run_dir = tmp_path / "atlas", tmp_path / "atlas.run"
+    kill_after_first(SLOW_CHILD, ["--model", str(model_dir), *ARGS, "--out", str(out)],
+                     run_dir, "context*_layer*.json")
     total = 2 * len(uninterrupted["layers"])
     kept = items_on_disk(run_dir)
     assert 1 <= len(kept) < total, kept
@@ -217,23 +223,8 @@ def test_a_killed_validate_resumes_to_the_uninterrupted_report(model_dir, tmp_pa
                      str(whole_out)]) == 0
     whole = json.loads((whole_out / "report.json").read_text())
     out, run_dir = tmp_path / "v", tmp_path / "v.run"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-        [str(Path(atlas.__file__).parents[1]), os.environ.get("PYTHONPATH", "")])}
-    child = subprocess.Popen([sys.executable, "-c", SLOW_VALIDATE, "validate", "--model",
-                              str(model_dir), *VALIDATE, "--out", str(out)], env=env,
-                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    try:
-        deadline = time.monotonic() + 300
-        while not list(run_dir.glob("context*.json")):
-            assert child.poll() is None, child.stderr.read().decode()[-2000:]
-            assert time.monotonic() < deadline, "no context finished within 300 s"
-            time.sleep(0.02)
-        child.send_signal(signal.SIGKILL)
-        assert child.wait(60) == -signal.SIGKILL
-    finally:
-        if child.poll() is None:
-            child.kill()
-        child.stderr.close()
+    kill_after_first(SLOW_VALIDATE, ["validate", "--model", str(model_dir), *VALIDATE,
+                                     "--out", str(out)], run_dir, "context*.json")
     kept = sorted(p.stem for p in run_dir.glob("context*.json"))
     assert 1 <= len(kept) < 3 and not (out / "report.json").exists(), kept
     assert cli.main(["validate", "--model", str(model_dir), *VALIDATE, "--resume",

@@ -541,24 +541,16 @@ def _open_run_dir(path: Path, resume: bool, cfg: AtlasConfig, prov: dict, items:
     fingerprint), then the others join the run it opened.  The fingerprint: the configuration,
     the model's provenance (its files' sha256), the work list and ropestep's version."""
     from . import __version__
-    from .runstate import RunStateError, open_run
+    from .runstate import RunStateError, open_run_on_ranks
 
     fp = {"schema": RUN_SCHEMA, "config": asdict(cfg), "model": _portable(prov),
           "items": [list(it) for it in items], "ropestep": __version__}
     fp = json.loads(json.dumps(fp, default=str))
-    err = None
-    state = None
-    if rank == 0:
-        try:
-            state = open_run(path, fp, resume=resume)
-        except RunStateError as e:
-            err = str(e)
-    err = broadcast_from_rank0(err, rank, world)
-    if err is not None:
-        raise AtlasError(err)
-    if rank != 0:
-        state = open_run(path, fp, resume=True)
-    return state
+    try:
+        return open_run_on_ranks(path, fp, resume=resume, rank=rank, world=world,
+                                 broadcast=broadcast_from_rank0)
+    except RunStateError as err:
+        raise AtlasError(str(err)) from None
 
 
 def run(cfg: AtlasConfig, *, progress: bool = True, command: Sequence[str] | None = None,

@@ -344,12 +344,19 @@ def parse_layers(text: str | Sequence[int], n_layers: int) -> list[int]:
         raise HeadsError(str(err)) from None
 
 
-def _over_layers(Ls: Sequence[int], one: Any, dist_info: tuple[int, int] | None
+def _over_layers(Ls: Sequence[int], head_of: Any, dump: Path | None,
+                 base_range: tuple[float, float], dist_info: tuple[int, int] | None
                  ) -> tuple[dict, dict, dict] | None:
-    """``one(L) -> (diagnostics, raw or None)`` over the layers ``Ls``; under torchrun
-    (``dist_info = (rank, world)``) each rank takes a contiguous share and rank 0 gathers them in
-    layer order (the other ranks get None).  Returns ``(out, raw, rank_layers)``."""
+    """The diagnostics of the layers ``Ls`` (``head_of(L) -> (spec, weights)``; ``dump``: each
+    layer's inputs to :func:`dump_layer`); under torchrun (``dist_info = (rank, world)``) each
+    rank takes a contiguous share and rank 0 gathers them in layer order (the other ranks get
+    None).  Returns ``(out, raw, rank_layers)``."""
     from .dist import gather_to_rank0, shard_contiguous
+
+    def one(L: int) -> tuple[dict, dict | None]:
+        spec, w = head_of(L)
+        raw = dump_layer(dump, L, spec, w) if dump is not None else None
+        return diagnose_weights(spec, w, base_range=base_range), raw
 
     rank, world = dist_info if dist_info is not None else (0, 1)
     mine = {str(L): one(L) for L in shard_contiguous(list(Ls), rank, world)}
@@ -373,13 +380,8 @@ def diagnose(model: Any, layers: str | Sequence[int] = "all", *,
 
     info = models.describe_model(model)
     Ls = parse_layers(layers, info.n_layers)
-
-    def one(L: int) -> tuple[dict, dict | None]:
-        spec, w = models.layer_head(model, L, 2, dtype=torch.float64)
-        raw = dump_layer(dump, L, spec, w) if dump is not None else None
-        return diagnose_weights(spec, w, base_range=base_range), raw
-
-    res = _over_layers(Ls, one, dist_info)
+    res = _over_layers(Ls, lambda L: models.layer_head(model, L, 2, dtype=torch.float64),
+                       dump, base_range, dist_info)
     if res is None:
         return None
     out, raw, rank_layers = res
@@ -401,13 +403,8 @@ def diagnose_gpt(model: Any, layers: str | Sequence[int] = "all", *,
     (``head_description``: the learned per-head bases or temperatures included)."""
     cfg = model.config
     Ls = parse_layers(layers, len(model.blocks))
-
-    def one(L: int) -> tuple[dict, dict | None]:
-        spec, w = model.blocks[L].attn.head_description(dtype=torch.float64)
-        raw = dump_layer(dump, L, spec, w) if dump is not None else None
-        return diagnose_weights(spec, w, base_range=base_range), raw
-
-    res = _over_layers(Ls, one, dist_info)
+    res = _over_layers(Ls, lambda L: model.blocks[L].attn.head_description(dtype=torch.float64),
+                       dump, base_range, dist_info)
     if res is None:
         return None
     out, raw, rank_layers = res

@@ -1321,23 +1321,18 @@ def _open_run_dir(path: Path, resume: bool, cfg: Config, prov: dict, n_blocks: i
     """The run directory, opened by rank 0 first (a fresh start or a checked resume), then
     joined by the other ranks.  Fingerprint: the configuration, the model's provenance (its
     files' sha256), the number of contexts and ropestep's version."""
-    from .runstate import RunStateError, open_run
     from .dist import broadcast_from_rank0
+    from .runstate import RunStateError, open_run_on_ranks
 
     fp = json.loads(json.dumps({"schema": RUN_SCHEMA, "config": asdict(cfg),
                                 "model": {k: v for k, v in prov.items()
                                           if k not in ("argument", "source")},
                                 "contexts": n_blocks, "ropestep": __version__}, default=str))
-    err, state = None, None
-    if rank == 0:
-        try:
-            state = open_run(path, fp, resume=resume)
-        except RunStateError as e:
-            err = str(e)
-    err = broadcast_from_rank0(err, rank, world)
-    if err is not None:
-        raise ProtocolError(err)
-    return state if rank == 0 else open_run(path, fp, resume=True)
+    try:
+        return open_run_on_ranks(path, fp, resume=resume, rank=rank, world=world,
+                                 broadcast=broadcast_from_rank0)
+    except RunStateError as err:
+        raise ProtocolError(str(err)) from None
 
 
 def _context_record(c: int, blk: Block, cap: ContextCapture, tok: Any) -> dict:

@@ -318,3 +318,22 @@ def peak_rss_mib() -> float:
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+def open_run_on_ranks(path: str | Path, fingerprint: dict, *, resume: bool, rank: int,
+                      world: int, broadcast: Any) -> RunDir:
+    """:func:`open_run` under torchrun: rank 0 first (it starts the directory afresh or checks
+    the fingerprint), then the others join the run it opened.  ``broadcast(obj, rank, world)``
+    hands rank 0's outcome to every rank (:func:`ropestep.dist.broadcast_from_rank0`), so that
+    a refusal is raised on every rank alike (:class:`RunStateError`)."""
+    err, state = None, None
+    if rank == 0:
+        try:
+            state = open_run(path, fingerprint, resume=resume)
+        except RunStateError as e:
+            err = str(e)
+    err = broadcast(err, rank, world)
+    if err is not None:
+        raise RunStateError(err)
+    return state if rank == 0 else open_run(path, fingerprint, resume=True)
+
