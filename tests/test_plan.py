@@ -58,9 +58,11 @@ def test_counts_by_brute_force():
     N, d, r, m, H, Hk = 37, 8, 6, 20, 4, 2
     for window in (None, 5):
         n = [min(i + 1, window or N) for i in range(N)]
+        lam = cost.lambda_max_flops(d)  # d = 8 = k: eight full Lanczos steps
+        assert lam == 8 * (2 * 64 + 32) + 4 * 8 * 8 * 9 + 2 * 64 + 8 / 3 * 729
         streamed = H * sum(2 * k * d + 2 * k * d * r + 2 * k * r for k in n)
-        step = H * sum(2 * k * d * d + 4 / 3 * d ** 3 + 4 * d * d * r for k in n)
-        inp = H * N * (4 * d ** 3 + 4 / 3 * d ** 3 + 4 * d * d * r)
+        step = H * sum(2 * k * d * d + lam + 4 * d * d * r for k in n)
+        inp = H * N * (4 * d ** 3 + lam + 4 * d * d * r)
         reuse = H * N * (2 * (m + 1) * d + 2 * d * r)
         got = cost.atlas_flops(N=N, d=d, r=r, m=m, H=H, H_kv=Hk, window=window)
         assert got["lowp_maxkey"] == got["float64_maxkey"] == streamed

@@ -253,7 +253,7 @@ def _pass_original(ch, L64, arr, nat, vscale, sc, Ah, q_unrot, anchors, anchor_e
         Bt = apply_rope(Ah[hs][:, None], cb[..., None, :], sb[..., None, :], lay)  # (G,Qc,d,d)
         B = Bt.transpose(-1, -2)
         M = Bt @ Gm @ B
-        arr["lam_input"][h0:h1, qi] = torch.linalg.eigvalsh(M)[..., -1]
+        arr["lam_input"][h0:h1, qi] = fast.lambda_max(M)
         Y = Bt @ t  # (G, Qc, d, r)
         inc = 0.5 * (Y * (M @ Y)).sum((-1, -2)) > (Y * Y).sum((-1, -2))
         arr["inc_input"][h0:h1, qi] = inc.double()

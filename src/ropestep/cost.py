@@ -3,9 +3,10 @@
 :func:`atlas_flops` counts the floating-point operations of each phase of one (context, layer)
 item of ``ropestep atlas`` (docs/protocol.md section 11, `cost`, states the counts per query and head):
 a multiply-add is 2 operations, an ``n x k`` by ``k x p`` product ``2 n k p``, a symmetric
-``d x d`` eigenvalue problem ``4/3 d^3`` (the tridiagonal reduction; the QR sweeps on the
-tridiagonal matrix are ``O(d^2)``), and element-wise work (exponentials, masks, maxima) is not
-counted: it is linear in the inputs, so the counts are a floor the run cannot go below.
+``s x s`` eigenvalue problem ``4/3 s^3`` (the tridiagonal reduction; the QR sweeps on the
+tridiagonal matrix are ``O(s^2)``), a largest eigenvalue by ``fast.lambda_max``
+:func:`lambda_max_flops`, and element-wise work (exponentials, masks, maxima) is not counted: it
+is linear in the inputs, so the counts are a floor the run cannot go below.
 :func:`matmul_rate` measures this machine's GEMM rate in a dtype, with the threads the run uses,
 so that a report can say what fraction of it each phase achieved, and ``--plan`` can say what a
 run will cost before any weight is loaded (:func:`plan`).
@@ -19,6 +20,18 @@ from typing import Any
 import torch
 
 PHASES = ("project", "float64_original", "lowp_maxkey", "float64_maxkey")
+LANCZOS_STEPS = 8  # fast.LANCZOS_STEPS (tests/test_lambda_max.py checks that they agree)
+
+
+def lambda_max_flops(d: int, k: int = LANCZOS_STEPS) -> float:
+    """Operations of one certified ``lambda_max`` of a ``d x d`` matrix (``fast.lambda_max``):
+    ``k`` Lanczos steps, each a matrix-vector product ``2 d^2``, its Rayleigh coefficient
+    ``2d``, the residual norm ``2d`` and two reorthogonalisations against the ``j`` basis
+    vectors so far (``2 * 4 d j``), so ``k (2 d^2 + 4 d) + 4 d k (k + 1)``; the Frobenius norm
+    ``2 d^2``; the two ``(k+1) x (k+1)`` eigenvalue problems ``2 * 4/3 (k+1)^3``.  (The rare
+    uncertified matrix's LAPACK fallback is not counted: the floor is the certified path.)"""
+    k = min(int(k), int(d))
+    return k * (2 * d * d + 4 * d) + 4 * d * k * (k + 1) + 2 * d * d + 8 / 3 * (k + 1) ** 3
 
 
 def prefix_sums(N: int, window: int | None) -> tuple[int, int]:
@@ -39,18 +52,19 @@ def atlas_flops(*, N: int, d: int, r: int, m: int, H: int, H_kv: int, affine: bo
       (``sum_j c_ij k^_j v^_j^T``, one GEMM row) ``2 n d r``, the output ``2 n r``;
     * the float64 original-gauge pass besides (unless the scores are soft-capped, where the
       step statistics are not defined): the Gram matrix ``G_i`` ``2 n d^2``, its largest
-      eigenvalue ``4/3 d^3``, the step's quadratic test ``4 d^2 r``; on affine heads the
-      input-space problem ``M_i = B_i^T G_i B_i`` ``4 d^3``, its eigenvalue ``4/3 d^3``, the test
-      ``4 d^2 r``; frozen reuse ``2 (m + 1) d + 2 d r``;
+      eigenvalue :func:`lambda_max_flops`, the step's quadratic test ``4 d^2 r``; on affine
+      heads the input-space problem ``M_i = B_i^T G_i B_i`` ``4 d^3``, its largest eigenvalue,
+      the test ``4 d^2 r``; frozen reuse ``2 (m + 1) d + 2 d r``;
     * the projections, once per item: ``2 N (m + 1) (H d + H_kv d + H_kv r)``.
     """
     S, Q = prefix_sums(N, window)
     streamed = H * (2 * S * d + 2 * S * d * r + 2 * S * r)
     extra = 0.0
     if not softcap:
-        extra += H * (2 * S * d * d + Q * (4 / 3 * d ** 3 + 4 * d * d * r))
+        lam = lambda_max_flops(d)
+        extra += H * (2 * S * d * d + Q * (lam + 4 * d * d * r))
         if affine:
-            extra += H * Q * (4 * d ** 3 + 4 / 3 * d ** 3 + 4 * d * d * r)
+            extra += H * Q * (4 * d ** 3 + lam + 4 * d * d * r)
     extra += H * Q * (2 * (m + 1) * d + 2 * d * r)
     return {"project": 2.0 * N * (m + 1) * (H * d + H_kv * d + H_kv * r),
             "float64_original": float(streamed + extra),

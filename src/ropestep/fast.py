@@ -362,6 +362,101 @@ def gram(c: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     return (c @ kk).unflatten(-1, (d, d))
 
 
+LANCZOS_STEPS = 8  # Krylov dimension of lambda_max: on SmolLM2's matrices (4 layers x 9 heads x 512
+# queries, both spaces) 8 steps certify all but 65 of 36,864; fewer steps leave many to LAPACK
+LANCZOS_BLOCK = 128  # matrices per block of lambda_max (8 MiB of 64 x 64 float64 operands)
+
+
+def lambda_max(A: torch.Tensor, steps: int = LANCZOS_STEPS, *,
+               stats: dict | None = None) -> torch.Tensor:
+    """Largest eigenvalue of symmetric positive semidefinite matrices ``A (..., d, d)``, each
+    certified to a relative interval of width at most ``tolerances.LAMBDA_CERT_REL``
+    (docs/math.md section 3, "lambda_max without the spectrum").
+
+    ``k = min(steps, d)`` Lanczos steps with full reorthogonalisation from the all-ones vector
+    give an orthonormal basis ``Q_k`` and the tridiagonal ``T_k = Q_k^T A Q_k``; ``theta =
+    lambda_max(T_k) <= lambda_max(A)``.  In the basis ``[Q_k, W]`` (``W`` the complement) ``A``
+    has the blocks ``T_k``, ``A_W`` and a coupling of norm ``beta_k`` (the last Lanczos
+    residual), and ``||A||_F^2 = ||T_k||_F^2 + 2 beta_k^2 + ||A_W||_F^2``; with
+    ``f = (||A||_F^2 - ||T_k||_F^2 - 2 beta_k^2)^(1/2) >= lambda_max(A_W)``
+
+        lambda_max(A) <= lambda_max([[T_k, beta_k e_k], [beta_k e_k^T, f]])
+
+    (for ``x = (x_1, x_2)``, ``x^T A x`` is at most the bordered matrix's quadratic form at
+    ``(x_1, +-||x_2||)``).  Both ends are eigenvalues of ``(k+1) x (k+1)`` matrices.  Where the
+    interval is wider than ``LAMBDA_CERT_REL`` times ``theta`` (a start vector blind to the top
+    eigenvector, a top eigenvalue of multiplicity > 1, a flat spectrum), the value comes from
+    LAPACK's full spectrum (``torch.linalg.eigvalsh``) instead.  The interval's ends carry the
+    Lanczos recurrence's rounding, ``O(k u ||A||)`` (backward stable with full
+    reorthogonalisation), the order of ``eigvalsh``'s own.  ``stats`` (a dict) receives the
+    number of matrices and of fallbacks."""
+    d = A.shape[-1]
+    X = A.reshape(-1, d, d)
+    lo, hi = X.new_empty(X.shape[0]), X.new_empty(X.shape[0])
+    for b0 in range(0, X.shape[0], LANCZOS_BLOCK):  # blocks that stay in cache
+        Xb = X[b0:b0 + LANCZOS_BLOCK]
+        alpha, beta = _lanczos(lambda q: (Xb * q[:, None, :]).sum(-1), Xb.shape[0], d, steps,
+                               X.dtype, X.device)
+        tk2 = (alpha * alpha).sum(-1) + 2 * (beta[:, :-1] * beta[:, :-1]).sum(-1)
+        bk = beta[:, -1]
+        tail = ((Xb * Xb).sum((-1, -2)) - tk2 - 2 * bk * bk).clamp_min(0).sqrt()
+        lo[b0:b0 + LANCZOS_BLOCK], hi[b0:b0 + LANCZOS_BLOCK] = _ends(alpha, beta, tail)
+    out = _certified(lo, hi, lambda bad: torch.linalg.eigvalsh(X[bad])[:, -1], stats)
+    return out.reshape(A.shape[:-2])
+
+
+def _lanczos(matvec: Any, B: int, d: int, steps: int, dtype: torch.dtype, device: Any
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(alpha, beta)`` of ``k = min(steps, d)`` Lanczos steps from the all-ones vector, with
+    full reorthogonalisation (twice: "twice is enough"), on ``B`` operators at once."""
+    k = max(1, min(int(steps), d))
+    Q = torch.zeros(B, k, d, dtype=dtype, device=device)
+    alpha = torch.zeros(B, k, dtype=dtype, device=device)
+    beta = torch.zeros(B, k, dtype=dtype, device=device)
+    q = torch.full((B, d), d ** -0.5, dtype=dtype, device=device)
+    for j in range(k):
+        Q[:, j] = q
+        w = matvec(q)
+        alpha[:, j] = (w * q).sum(-1)
+        Qj = Q[:, :j + 1]
+        for _ in range(2):
+            w = w - ((Qj * w[:, None, :]).sum(-1, keepdim=True) * Qj).sum(1)
+        beta[:, j] = torch.linalg.vector_norm(w, dim=-1)
+        q = torch.where(beta[:, j:j + 1] > 0, w / beta[:, j:j + 1].clamp_min(1e-300), 0.0)
+    return alpha, beta
+
+
+def _ends(alpha: torch.Tensor, beta: torch.Tensor, tail: torch.Tensor
+          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(lambda_max(T_k), lambda_max(T^_k))``: the tridiagonal, and the tridiagonal bordered
+    by the coupling ``beta_k`` and the unexplored block's bound ``tail`` (:func:`lambda_max`)."""
+    B, k = alpha.shape
+    T = alpha.new_zeros(B, k + 1, k + 1)
+    ar = torch.arange(k, device=alpha.device)
+    T[:, ar, ar] = alpha
+    T[:, ar[:-1], ar[:-1] + 1] = beta[:, :-1]
+    T[:, ar[:-1] + 1, ar[:-1]] = beta[:, :-1]
+    Tb = T.clone()
+    Tb[:, k - 1, k] = Tb[:, k, k - 1] = beta[:, -1]
+    Tb[:, k, k] = tail
+    ends = torch.linalg.eigvalsh(torch.cat((T, Tb)))[:, -1]  # T padded by a zero row: PSD
+    return ends[:B], ends[B:]
+
+
+def _certified(lo: torch.Tensor, hi: torch.Tensor, full: Any, stats: dict | None
+               ) -> torch.Tensor:
+    """``lo`` where ``[lo, hi]`` is certified narrow; LAPACK's value (``full(bad)``) elsewhere."""
+    from .tolerances import LAMBDA_CERT_REL
+    bad = ~(hi - lo <= LAMBDA_CERT_REL * lo)  # NaN or a wide interval: the full spectrum
+    if bool(bad.any()):
+        lo = lo.clone()
+        lo[bad] = full(bad)
+    if stats is not None:
+        stats["matrices"] = stats.get("matrices", 0) + int(lo.numel())
+        stats["fallbacks"] = stats.get("fallbacks", 0) + int(bad.sum())
+    return lo
+
+
 def query_space_step(G: torch.Tensor, t: torch.Tensor, scale: torch.Tensor
                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """The gradient step in query space (docs/math.md section 3): the variable is the rotated
@@ -375,7 +470,7 @@ def query_space_step(G: torch.Tensor, t: torch.Tensor, scale: torch.Tensor
     The same holds for Cosine-RoPE heads (unit rotated keys, ``scale = 1/tau``).
     """
     s2 = scale * scale
-    lam = s2 * torch.linalg.eigvalsh(G)[..., -1]
+    lam = s2 * lambda_max(G)
     quad = (t * (G @ t)).sum((-1, -2))
     return lam, s2 * (0.5 * s2 * quad - (t * t).sum((-1, -2)))
 

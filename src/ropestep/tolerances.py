@@ -702,6 +702,14 @@ times u must exceed this: kappa ~ e^{-z_max} with z_max < -600 (far beyond any t
 CERTIFIED_SMALL = 1e-6
 """Where the original gauge's readout bound is vacuous (>= the value scale), the max-key gauge's
 bound at the same rows stays below this: the identity is still checked there to >= 6 digits."""
+LAMBDA_CERT_REL = 1e-13
+"""Width, relative to the value, of the certified interval ``[lambda_max(T_k),
+lambda_max(T^_k)]`` that :func:`ropestep.fast.lambda_max` accepts from its Lanczos steps; a wider
+one falls back to LAPACK's full spectrum.  It is the order of LAPACK's own guarantee for a
+``d x d`` symmetric matrix, a computed eigenvalue exact for ``A + E`` with ``||E|| <= c d u ||A||``
+(so, for a positive semidefinite ``A``, within ``c d u lambda_max``: 7e-14 at ``c = 10``,
+``d = 64``), and ten times below ``FLOAT64_REL``, the level every float64 statistic of the
+atlas is compared at: so a certified value is as good as ``eigvalsh``'s for every use."""
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,0 +1,143 @@
+"""``fast.lambda_max``: the certified Lanczos value against LAPACK's full spectrum and mpmath.
+
+The atlas reports medians of ``lambda_max`` of two ``d x d`` positive semidefinite matrices per
+head and query (docs/math.md section 3).  :func:`ropestep.fast.lambda_max` takes them from a few
+Lanczos steps and keeps a value only where its certified interval is narrower than
+``tolerances.LAMBDA_CERT_REL``; elsewhere it falls back to ``torch.linalg.eigvalsh``.  These
+tests compare it with ``eigvalsh`` and with mpmath at 40 digits on spectra chosen to defeat the
+Lanczos steps (a top eigenvector orthogonal to the start vector, a double top eigenvalue, a flat
+spectrum, rank one, zero) and on spectra like the atlas's (a dominant direction), and check that
+the certificate is what decides: with the certificate's unexplored part dropped, the blind start
+returns the wrong eigenvalue and a test fails.
+"""
+from __future__ import annotations
+
+import math
+
+import mpmath as mp
+import numpy as np
+import pytest
+import torch
+
+from ropestep import fast
+from ropestep import tolerances as tl
+
+
+def _psd(eigs: np.ndarray, rng: np.random.Generator, V: np.ndarray | None = None) -> torch.Tensor:
+    d = len(eigs)
+    if V is None:
+        V, _ = np.linalg.qr(rng.standard_normal((d, d)))
+    return torch.tensor((V * eigs) @ V.T, dtype=torch.float64)
+
+
+def _blind(d: int, rng: np.random.Generator) -> torch.Tensor:
+    """Top eigenvector ``e_1 - e_2`` (eigenvalue 10), exactly orthogonal to the all-ones start
+    vector in floating point too: rows 1 and 2 are mirror images, so every Lanczos vector keeps
+    equal first two entries and the Krylov space never meets ``e_1 - e_2``.  Lanczos alone
+    returns the largest eigenvalue of the rest (9)."""
+    A = np.zeros((d, d))
+    A[:2, :2] = [[5.5, -4.5], [-4.5, 5.5]]  # eigenvalues 10 (e_1 - e_2) and 1 (e_1 + e_2)
+    if d > 2:
+        A[2:, 2:] = _psd(9.0 * 0.5 ** np.arange(d - 2), rng).numpy()
+    return torch.tensor(A, dtype=torch.float64)
+
+
+def _cases() -> dict[str, torch.Tensor]:
+    rng = np.random.default_rng(20261202)
+    out = {}
+    for d in (4, 16, 64, 128):
+        out[f"decaying-{d}"] = _psd(np.exp(-0.3 * np.arange(d)) * 7.0, rng)  # lambda_2/lambda_1 0.74
+        out[f"steep-{d}"] = _psd(np.exp(-0.7 * np.arange(d)) * 7.0, rng)  # 0.5, like the atlas's
+        out[f"flat-{d}"] = _psd(1.0 + 1e-3 * rng.random(d), rng)
+        out[f"double-top-{d}"] = _psd(np.concatenate(([5.0, 5.0], rng.random(d - 2))), rng)
+        out[f"rank-one-{d}"] = _psd(np.concatenate(([3.0], np.zeros(d - 1))), rng)
+        out[f"blind-start-{d}"] = _blind(d, rng)
+        X = rng.standard_normal((3 * d, d)) + 2.0  # a Gram matrix with a dominant mean direction
+        out[f"gram-{d}"] = torch.tensor(X.T @ X / (3 * d), dtype=torch.float64)
+    return out
+
+
+CASES = _cases()
+
+
+def _tol(value: torch.Tensor) -> torch.Tensor:
+    """Certified width plus eigvalsh's own backward error (both <= LAMBDA_CERT_REL relative)."""
+    return 2 * tl.LAMBDA_CERT_REL * value.abs() + 1e-300
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_lambda_max_agrees_with_eigvalsh(name):
+    A = CASES[name]
+    got = fast.lambda_max(A)
+    ref = torch.linalg.eigvalsh(A)[-1]
+    assert torch.isfinite(got) and abs(got - ref) <= _tol(ref), (name, float(got), float(ref))
+
+
+@pytest.mark.parametrize("name", ["decaying-16", "steep-16", "blind-start-16", "double-top-16",
+                                  "gram-16"])
+def test_lambda_max_against_mpmath(name):
+    """An oracle that shares nothing with LAPACK: mpmath's Jacobi eigenvalues at 40 digits."""
+    A = CASES[name]
+    with mp.workdps(40):
+        ev = mp.eigsy(mp.matrix(A.tolist()), eigvals_only=True)
+        ref = max(float(e) for e in ev)
+    got = float(fast.lambda_max(A))
+    assert abs(got - ref) <= 2 * tl.LAMBDA_CERT_REL * abs(ref), (name, got, ref)
+
+
+def test_batches_and_shapes():
+    """Any leading shape; blocks of LANCZOS_BLOCK matrices give the same values as one by one."""
+    rng = np.random.default_rng(7)
+    mats = [_psd(np.exp(-rng.random() * np.arange(32)) * (1 + 9 * rng.random()), rng)
+            for _ in range(fast.LANCZOS_BLOCK + 7)]
+    A = torch.stack(mats).reshape(5, -1, 32, 32)
+    got = fast.lambda_max(A)
+    assert got.shape == (5, (fast.LANCZOS_BLOCK + 7) // 5)
+    ref = torch.linalg.eigvalsh(A)[..., -1]
+    assert bool((got - ref).abs().le(_tol(ref)).all())
+
+
+def test_the_certificate_decides():
+    """Atlas-like spectra are certified by the Lanczos steps (no fallback); the blind start, a
+    double top eigenvalue and a flat spectrum are not, and fall back."""
+    for name, expect in (("steep-64", 0), ("gram-64", 0), ("rank-one-64", 0),
+                         ("blind-start-64", 1), ("double-top-64", 1), ("flat-64", 1)):
+        st: dict = {}
+        fast.lambda_max(CASES[name], stats=st)
+        assert st == {"matrices": 1, "fallbacks": expect}, (name, st)
+
+
+def test_dropping_the_unexplored_part_is_caught(monkeypatch):
+    """Power of the tests above: a certificate without the unexplored block (``f = 0``) accepts
+    the blind start's second eigenvalue, which ``test_lambda_max_agrees_with_eigvalsh`` sees."""
+    real = fast._ends
+
+    def no_tail(alpha, beta, tail):
+        lo, _ = real(alpha, beta, tail)
+        return lo, lo  # every interval "certified" at width 0
+
+    monkeypatch.setattr(fast, "_ends", no_tail)
+    A = CASES["blind-start-64"]
+    got, ref = fast.lambda_max(A), torch.linalg.eigvalsh(A)[-1]
+    assert abs(got - ref) > _tol(ref)
+
+
+def test_zero_and_nonfinite():
+    """The zero matrix gives 0; a NaN entry is never certified, so it reaches LAPACK, which
+    refuses it (a failure, never a number)."""
+    assert float(fast.lambda_max(torch.zeros(8, 8, dtype=torch.float64))) == 0.0
+    A = CASES["decaying-16"].clone()
+    A[3, 5] = A[5, 3] = math.nan
+    try:
+        got = fast.lambda_max(A)
+    except RuntimeError:
+        return
+    assert not bool(torch.isfinite(got))
+
+
+def test_the_counted_steps_are_the_steps_taken():
+    """``cost`` counts (and docs/protocol.md section 11 states) the Lanczos steps that
+    ``fast.lambda_max`` takes."""
+    from ropestep import cost
+    assert cost.LANCZOS_STEPS == fast.LANCZOS_STEPS
+    assert cost.lambda_max_flops(64) == 96152
