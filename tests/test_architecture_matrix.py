@@ -27,11 +27,6 @@ from ropestep import archzoo, cli, models, tolerances  # noqa: E402
 # what is not modelled yet: per command, the words its one-line refusal must contain (a
 # command not named here must pass every check)
 EXPECTED_REFUSALS = {
-    # QK-norm: the atlas runs in query space; validate's protocol is input-space throughout
-    "gemma3": {"validate": "qknorm"},
-    "qwen3": {"validate": "qknorm"},
-    "qwen3_moe": {"validate": "qknorm"},
-    "olmo2": {"validate": "qknorm"},  # QK-norm over every head of a token
     "gpt_oss": {"atlas": "attention sinks", "validate": "attention sinks"},
 }
 ATLAS = ["--contexts", "1", "--len", "40", "--layers", "all", "--anchor-every", "16",
@@ -109,6 +104,8 @@ WRONG = {  # reading -> (architecture that uses it, how a layer's reading is cor
     "window_width": ("gemma2", lambda c, r: {} if c.window is None else {"window": c.window + 1}),
     "no_rope_layer": ("smollm3", lambda c, r: {k: getattr(r, k) for k in (
         "rotary", "rotary_dim", "tables", "inv_freq")} if c.rotary_dim == 0 else {}),
+    "qk_norm": ("qwen3", lambda c, r: {"qk_norm": False}),  # validate in input space, unnormalised
+    "norm_scope": ("olmo2", lambda c, r: {"norm_scope": "head"}),  # per head, not over all heads
 }
 
 

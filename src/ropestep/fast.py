@@ -606,9 +606,18 @@ def reuse_bound(st: Step, anchor: int = 0) -> torch.Tensor:
     All queries sit at one position, so they share ``L`` and ``dM_i - dM_a = L^ M_i`` with
     ``L^ = [L | e_{m+1}]`` ((m+1) x (d+1)) and ``M_i = [T_i - T_a; (b_i - b_a)^T]``; with the thin
     QR ``L^ = Q R`` the operator norm is ``||R M_i||_op`` -- a (d+1) x r matrix instead of an
-    (m+1) x r one.  
+    (m+1) x r one.
+
+    A head whose score is not affine in ``u`` (QK-norm) has no ``dM_i``; its frozen readout is
+    the query-space one (:func:`frozen_reuse`), with error ``e_i = z_i^T (dM^q_i - dM^q_a)``
+    exactly (:func:`query_input`, :func:`query_delta_m`), so the bound is
+    ``||z_i|| ||dM^q_i - dM^q_a||_op`` (docs/math.md section 8).
     """
     P: Projected = st.extras["projected"]
+    if not P.spec.affine:
+        dq = query_delta_m(st)
+        op = torch.linalg.matrix_norm(dq - dq[:, anchor:anchor + 1], ord=2)  # (H, Q)
+        return torch.linalg.vector_norm(query_input(st), dim=-1) * op
     L = P.lmap(slice(anchor, anchor + 1))[:, 0]  # (H, m+1, d)
     e = torch.zeros_like(L[..., :1])
     e[:, -1] = 1

@@ -376,7 +376,12 @@ def project(y: torch.Tensor, w_o: torch.Tensor) -> torch.Tensor:
 
 
 def explicit_readout(st: fast.Step, x_q: torch.Tensor) -> torch.Tensor:
-    """``mu_i + u_i^T dM_i`` with the materialised matrices: ``(H, Q, r)``."""
+    """``mu_i + u_i^T dM_i`` with the materialised matrices: ``(H, Q, r)``.  A head whose score
+    is not affine in ``u`` (QK-norm) has no ``dM_i``: its readout is the query-space one,
+    ``mu_i + z_i^T dM^q_i`` (:func:`ropestep.fast.query_input`, :func:`~ropestep.fast.query_delta_m`;
+    docs/math.md section 8)."""
+    if st.delta_m is None:
+        return st.mu + torch.einsum("hqd,hqdr->hqr", fast.query_input(st), fast.query_delta_m(st))
     u = fast.augment(x_q.to(st.delta_m.dtype))
     return st.mu + torch.einsum("qm,hqmr->hqr", u, st.delta_m)
 
@@ -410,15 +415,16 @@ def evaluate_layer(spec, weights, cap: ContextCapture, layer: int, model_dtype: 
     b_o = None if weights.b_o is None else torch.as_tensor(weights.b_o).to(device, f64)
 
     # -- prefix bank (the paper's conditional readout) and full bank (native: self included) --
+    affine = spec.affine  # else (QK-norm) every matrix is the query-space one (section 8)
     stP = fast.step(spec, weights, xq, pos_q, xp, pos_kv, mask="bank", dtype=f64, device=device,
-                    delta_m=True)
+                    delta_m=affine)
     x_full = torch.cat((xp, xq))
     pos_full = torch.cat((pos_kv, pos_q))
     mask_full = torch.zeros(Q, N + Q, dtype=torch.bool)
     mask_full[:, :N] = True
     mask_full[torch.arange(Q), N + torch.arange(Q)] = True
     stF = fast.step(spec, weights, xq, pos_q, x_full, pos_full, mask=mask_full, dtype=f64,
-                    device=device, delta_m=True)
+                    device=device, delta_m=affine)
     rdP, rdF = explicit_readout(stP, xq), explicit_readout(stF, xq)
 
     PF = stF.extras["projected"]
@@ -559,13 +565,14 @@ def evaluate_layer(spec, weights, cap: ContextCapture, layer: int, model_dtype: 
     # -- descent check: input space (the paper's), query space on the same prefix bank, and the
     # replication's measurement (query space, the context's final query = the observed token,
     # on the full bank including its own key)
-    dc = fast.descent(stP)
     dq = fast.query_descent(stP)
     dr = fast.query_descent(stF)
-    descent = {"lam_max": _f64(dc.lam_max), "e0": _f64(dc.e0), "e1": _f64(dc.e1),
-               "q_lam_max": _f64(dq.lam_max), "q_e0": _f64(dq.e0), "q_e1": _f64(dq.e1),
+    descent = {"q_lam_max": _f64(dq.lam_max), "q_e0": _f64(dq.e0), "q_e1": _f64(dq.e1),
                "rep_lam_max": _f64(dr.lam_max[:, 0]),
                "rep_increases": _f64(dr.e1[:, 0] > dr.e0[:, 0])}
+    if affine:  # the paper's input-space step exists only where the score is affine in u
+        dc = fast.descent(stP)
+        descent.update(lam_max=_f64(dc.lam_max), e0=_f64(dc.e0), e1=_f64(dc.e1))
 
     return LayerContext(rows=rows, fast_rows=fast_rows,
                         reuse_errors={"combined": errs_c, "heads": errs_h},
@@ -618,11 +625,16 @@ def real_checks(model: Any, spec, weights, cap: ContextCapture, layer: int, cont
     if raw is not None and spec.rope.freqs is not None:
         raw["inv_freq"] = torch.tensor(spec.rope.freqs, dtype=torch.float64)
     other = int(rng.integers(1, Q)) if Q > 1 else 0
-    out["rank"] = rc.delta_m_rank(spec, weights, xq, pos_q,
-                                  [(h, i) for h in range(spec.n_heads) for i in sorted({0, other})],
-                                  x_kv=xp, pos_kv=pos_kv)
-    out["no_global_readout"] = (rc.no_global_readout(spec, weights, xq, pos_q, xp, pos_kv)
-                                if Q >= 2 else None)
+    if spec.affine:
+        out["rank"] = rc.delta_m_rank(
+            spec, weights, xq, pos_q,
+            [(h, i) for h in range(spec.n_heads) for i in sorted({0, other})],
+            x_kv=xp, pos_kv=pos_kv)
+        out["no_global_readout"] = (rc.no_global_readout(spec, weights, xq, pos_q, xp, pos_kv)
+                                    if Q >= 2 else None)
+    else:  # input-space claims (rank of Delta M W_o, one affine readout in u): not defined
+        out["rank"] = out["no_global_readout"] = None
+        out["not_defined"] = {"rank": NOT_AFFINE, "no_global_readout": NOT_AFFINE}
     qs = sorted(int(i) for i in rng.choice(np.arange(1, N), size=min(POSITIONAL_QUERIES, N - 1),
                                            replace=False))
     out["position_derivative"] = rc.position_derivative(model, layer, xp, pos_kv, qs, head=head)
@@ -697,6 +709,10 @@ def exact_sample(n_contexts: int, n_heads: int, prefix_len: int, k: int, seed: i
 
 
 # which value of each real-head check the report pools and the verdict names
+NOT_AFFINE = ("the score is not affine in u (QK-norm normalises q and k before RoPE): there is "
+              "no input-space Delta M, so this input-space statement is not defined; the "
+              "identity, frozen reuse and the step are measured in query space "
+              "(docs/math.md section 8)")
 REAL_CHECKS = {
     "conventions": ("q_rel_max", "k_rel_max", "v_rel_max"),
     "positive_coefficients": ("min_c",),
@@ -712,6 +728,9 @@ def summarize_real_checks(per_ctx: list[dict]) -> dict:
     """Pool the per-context real-head checks: for each, whether every context passed, the worst
     value of each reported field, and the per-context records (the verdict's data)."""
     out: dict = {"per_context": per_ctx}
+    nd = {k: v for r in per_ctx for k, v in (r.get("not_defined") or {}).items()}
+    if nd:  # checks whose statement does not apply to these heads, with the reason
+        out["not_defined"] = nd
     for name, fields in REAL_CHECKS.items():
         recs = [r[name] for r in per_ctx if r.get(name) is not None]
         if not recs:
@@ -1044,7 +1063,9 @@ def summarize_layer(ctxs: list[LayerContext], heads: Sequence[int], n_heads: int
                        "lam_max": _r6(lam[list(heads)])},
         }
 
-    descent = space("", "input space (the paper's: u = [x; 1], H = sum_j c_j a_j a_j^T)")
+    label = "input space (the paper's: u = [x; 1], H = sum_j c_j a_j a_j^T)"
+    descent = (space("", label) if "lam_max" in ctxs[0].descent else
+               {"space": label, "not_defined": NOT_AFFINE})
     descent["query_space"] = space("q_", "query space (rotated query, a_j = scale k~_j)")
     rep_inc = np.stack([lc.descent["rep_increases"] for lc in ctxs], 1)[list(heads)]  # (H, C)
     rep_lam = np.stack([lc.descent["rep_lam_max"] for lc in ctxs], 1)[list(heads)]
@@ -1122,9 +1143,9 @@ def run(cfg: Config, *, progress: bool = True, command: Sequence[str] | None = N
     if info.max_positions and cfg.prefix_len > info.max_positions:
         raise ProtocolError(f"--prefix-len {cfg.prefix_len} exceeds the model's context "
                             f"(max_position_embeddings={info.max_positions})")
-    if not info.family == "dot":
-        raise ProtocolError(f"{info.name}: score family {info.family!r} is not affine in u, so "
-                            "Delta M does not exist; the frozen-reuse protocol needs a 'dot' model")
+    if info.family not in ("dot", "qknorm"):
+        raise ProtocolError(f"{info.name}: score family {info.family!r} has no statement of the "
+                            "protocol (it covers plain and QK-norm RoPE heads)")
     vocab = int(model.get_output_embeddings().weight.shape[0])
     excl = [t_ for t_ in special_ids(tok) if 0 <= t_ < vocab]
     if cfg.queries - 1 > vocab - 1 - len(excl):

@@ -1,7 +1,7 @@
 """Checks of the identity's conventions and claims on a real model's heads.
 
 Every function takes what a capture of a pretrained model provides -- the loaded Hugging Face
-model (Llama/Qwen2 family, :mod:`ropestep.models`), a layer index, the layer's head input ``x``
+model (any the adapter reads, :mod:`ropestep.models`), a layer index, the layer's head input ``x``
 (the ``input_layernorm`` output), positions and, where useful, the per-head attention outputs the
 model computed -- and returns a JSON-ready dict: the measured value(s), the tolerance, where the
 tolerance comes from (``tolerance_from``: a function of :mod:`ropestep.tolerances` and the
@@ -9,11 +9,11 @@ quantities it was given) and ``ok``.  A NaN or inf anywhere is a failure (``ok``
 reduction goes through :func:`ropestep.verdict.worst` / :func:`~ropestep.verdict.least` and every
 pass predicate through :func:`~ropestep.verdict.within`.
 
-* :func:`conventions` -- the model's own ``q_proj``/``k_proj``/``v_proj``, its
-  ``apply_rotary_pos_emb`` with its own ``rotary_emb`` tables and its ``repeat_kv``, against what
-  ropestep builds from the head description (docs/math.md section 1).  Independent of
-  :mod:`ropestep.spec`'s conventions, so a wrong pairing or GQA map that the exact and the fast
-  layers would share is caught here.
+* :func:`conventions` -- the model's own ``q_proj``/``k_proj``/``v_proj`` (and ``q_norm``/
+  ``k_norm``), its ``apply_rotary_pos_emb`` with its own ``rotary_emb`` tables and its
+  ``repeat_kv``, against what ropestep builds from the head description (docs/math.md section
+  1).  Independent of :mod:`ropestep.spec`'s conventions, so a wrong pairing, GQA map or norm
+  that the exact and the fast layers would share is caught here.
 * :func:`sample_rows`, :func:`exact_reference`, :func:`exact_rows` -- a seeded sample of
   (head, query) rows evaluated with the mpmath oracle (:mod:`ropestep.exact`, 50 digits) on the
   captured inputs and weights, against the float64 fast path (docs/math.md sections 3 and 9).
@@ -23,7 +23,16 @@ pass predicate through :func:`~ropestep.verdict.within`.
   (section 7), and the positional derivative and exact finite differences through the RoPE
   generator and ``phi_1(delta A)`` against the model's own attention function (section 5).
 
-Affine heads (score family ``"dot"``: Llama, Qwen2) only; anything else raises ``ValueError``.
+Score families ``"dot"`` (affine in the layer input ``u``: Llama, Qwen2, ...) and ``"qknorm"``
+(an RMSNorm on q and k before RoPE: per head for Qwen3 and Gemma 3 -- whose gain acts as
+``1 + w`` --, over the whole projection for OLMo 2, ``HeadSpec.norm_scope == "all"``).  For
+QK-norm heads the identity holds in query space, ``y_i = mu_i + z_i^T Delta M^q_i`` with
+``z_i = [q~_i; 1]`` the normalised rotated query: :func:`exact_rows` compares ``Delta M^q_i``
+there (``"space": "query"``), :func:`conventions` and the positional checks include the model's
+own norms and ropestep's (the norms do not depend on positions), and their tolerances add the
+norm's roundings (:func:`_normalised_abs`, :func:`_norm_terms`).  The input-space claims --
+:func:`delta_m_rank` and :func:`no_global_readout` -- are not defined for a score that is not
+affine in ``u`` and refuse it; any other family (``"cosine"``) raises ``ValueError``.
 Imports :mod:`ropestep.models` and the layers below it, never the experiments above.
 """
 from __future__ import annotations
@@ -36,8 +45,10 @@ import mpmath as mp
 import numpy as np
 import torch
 
-from . import exact, fast, models, rope
+from . import exact, fast, kernel, models, rope
 from . import tolerances as tl
+from .models.conventions import _norm_weight
+from .models.structure import onloaded, rotary_modules
 from .spec import HeadSpec, HeadWeights, RoPESpec, _positions
 from .verdict import finite, least, within, worst
 
@@ -91,19 +102,33 @@ def _pos(p: Any, n: int, name: str = "positions", increasing: bool = False) -> t
     return torch.as_tensor(arr)
 
 
-def _affine(spec: HeadSpec) -> None:
+FAMILIES = ("dot", "qknorm")
+"""The score families the checks cover: ``"dot"`` (Llama, Qwen2, ...) and ``"qknorm"`` (Qwen3,
+Gemma 3 per head; OLMo 2 over the whole projection)."""
+
+
+def _supported(spec: HeadSpec) -> None:
     if not isinstance(spec, HeadSpec):
         raise ValueError(f"spec must be a HeadSpec, got {type(spec).__name__}")
+    if spec.family not in FAMILIES:
+        raise ValueError(f"score family {spec.family!r} is not covered by realchecks (they cover "
+                         "'dot': Llama, Qwen2; and 'qknorm': Qwen3, Gemma 3, OLMo 2)")
+
+
+def _affine(spec: HeadSpec, check: str) -> None:
+    """The input-space claims (``Delta M_i`` of ``u_i``) need a score affine in ``u``."""
+    _supported(spec)
     if not spec.affine:
-        raise ValueError(f"score family {spec.family!r} is not affine in u (Delta M does not "
-                         "exist); realchecks cover the 'dot' family (Llama, Qwen2)")
+        raise ValueError(f"{check}: the claim is stated in input space (Delta M_i of u_i = "
+                         f"[x_i; 1]) and is not defined for a non-affine score (family "
+                         f"{spec.family!r}: q and k are normalised before RoPE)")
 
 
 def _bank(spec: HeadSpec, weights: HeadWeights, x: Any, positions: Any, x_kv: Any,
           pos_kv: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int]:
     """Queries ``x``/``positions`` and keys (``x_kv``/``pos_kv``, default the queries themselves);
     the permitted sets are causal in positions (``pos_kv <= pos_q``).  Returns float64 tensors."""
-    _affine(spec)
+    _supported(spec)
     if not isinstance(weights, HeadWeights):
         raise ValueError(f"weights must be HeadWeights, got {type(weights).__name__}")
     m = weights.check(spec)
@@ -149,9 +174,9 @@ def _model_parts(model: Any, layer: Any) -> tuple[models.ModelInfo, Any, dict]:
     except AttributeError:
         raise ValueError(f"not a supported Hugging Face causal LM: {type(model).__name__}") \
             from None
-    if info.family != "dot":
-        raise ValueError(f"{info.name}: score family {info.family!r} is not affine in u; "
-                         "realchecks cover the 'dot' family")
+    if info.family not in FAMILIES:
+        raise ValueError(f"{info.name}: score family {info.family!r} is not covered by "
+                         "realchecks (they cover 'dot' and 'qknorm')")
     if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)):
         raise ValueError(f"layer must be an int, got {type(layer).__name__}")
     if not 0 <= int(layer) < info.n_layers:
@@ -164,7 +189,13 @@ def _head(model: Any, layer: int, n_positions: int, head: Any) -> tuple[HeadSpec
     if head is None:
         return models.layer_head(model, layer, n_positions)
     spec, weights = head
-    _affine(spec)
+    _supported(spec)
+    if not isinstance(weights, HeadWeights):
+        raise ValueError(f"weights must be HeadWeights, got {type(weights).__name__}")
+    try:
+        weights.check(spec)
+    except TypeError as err:
+        raise ValueError(str(err)) from None
     if spec.rope.cos is not None and int(np.asarray(spec.rope.cos).shape[0]) < n_positions:
         raise ValueError(f"the given head's RoPE tables cover {np.asarray(spec.rope.cos).shape[0]} "
                          f"positions, {n_positions} are needed")
@@ -177,6 +208,112 @@ def _device_dtype(model: Any) -> tuple[Any, torch.dtype]:
 
 
 # ---------------------------------------------------------------------------------------------
+# QK-norm: the layer's own norms, and what they do to the rounding bounds
+# ---------------------------------------------------------------------------------------------
+def _model_norms(model: Any, layer: int, info: models.ModelInfo, conv: Any) -> dict | None:
+    """The layer's own ``q_norm``/``k_norm`` as the model applies them, or None without QK-norm:
+    ``{"scope": "head" | "all", "q": (g, eps), "k": (g, eps)}`` with the gain ``g`` in the
+    model's head-dim order, float64 -- ``(d,)`` for a norm over each head's features after the
+    projection's reshape (Qwen3, Gemma 3), ``(heads, d)`` for one over the whole projection of a
+    token before it (OLMo 2: ``heads * d`` features).  ``g`` is probed from the module's action
+    (:func:`ropestep.models.conventions._norm_weight`: Gemma's ``x (1 + w)`` is read as it acts),
+    ``eps`` is the module's own; nothing comes from the head description under check."""
+    if not conv.qk_norm:
+        return None
+    _, _, attn, _, _ = models.attention.layer_parts(model, int(layer), info)
+    H, Hk, d = info.n_heads, info.n_kv_heads, info.head_dim
+    full = conv.norm_scope == "all"
+    out: dict = {"scope": conv.norm_scope}
+    with onloaded(attn):
+        for nm, nh in (("q", H), ("k", Hk)):
+            g, eps = _norm_weight(getattr(attn, f"{nm}_norm"), nh * d if full else d,
+                                  f"{info.name}: layer {layer} {nm}_norm")
+            out[nm] = (g.view(nh, d) if full else g, float(eps))
+    return out
+
+
+def _apply_model_norm(z: torch.Tensor, g: torch.Tensor, eps: float, scope: str) -> torch.Tensor:
+    """``g z / sqrt(mean(z^2) + eps)`` of ``z (n, heads, d)`` (model head-dim order, float64) the
+    way the layer applies its norm: over each head's ``d`` features (``scope="head"``: Qwen3's
+    and Gemma 3's norm after ``view(..., -1, head_dim)``), or over all ``heads * d`` features of
+    a token (``"all"``: OLMo 2's norm of ``q_proj(x)`` before the reshape)."""
+    if scope == "all":
+        flat = z.reshape(z.shape[0], -1)
+        return (flat * torch.rsqrt(flat.pow(2).mean(-1, keepdim=True) + eps)).view_as(z) * g
+    return z * torch.rsqrt(z.pow(2).mean(-1, keepdim=True) + eps) * g
+
+
+def _normalised_abs(dtype: torch.dtype, z: torch.Tensor, A: torch.Tensor, n_terms: int,
+                    g: torch.Tensor, eps: float, scope: str, roundings: int) -> torch.Tensor:
+    """Elementwise bound, before the rotation pair's sum, of a QK-normalised rotated query or key
+    that one side computes in ``dtype``, against exact arithmetic on the same inputs and table
+    values: ``z = x W^T + b`` (``z``, ``A = |x| |W|^T + |b|``: ``(n, heads, d)``, model head-dim
+    order, float64), ``y = g z / r(z)`` with ``r(z) = sqrt(mean(z^2) + eps)`` over the norm's
+    ``n`` features (one head's ``d``, or every head's of a token for ``scope="all"``), then
+    rotated.  The caller sums the result over the rotation pair and multiplies it by the tables'
+    amplitude ``max(a, 1)``, as :func:`ropestep.tolerances.rotated_projection_abs` is used::
+
+        E    = rotated_projection_abs(dtype, A, n_terms)        (the projection's error)
+        rho  = rms(E),  r = r(z),  r_lo = r - rho               (over the norm's features)
+        Y    = |g| (|z| + E) / r_lo                             (bounds |y| on both sides)
+        E_n  = |g| (E / r_lo + |z| rho / (r r_lo)) + ((HM_LAMBDA sqrt(n) + 8) u_acc + 2 u_store) Y
+        out  = E_n + roundings * u_store * Y
+
+    Derivation.  The side normalises ``z^ = z + e``, ``|e| <= E`` entrywise
+    (:func:`~ropestep.tolerances.rotated_projection_abs`'s projection and store; its ``3 u_store
+    A`` for a rotation that this projection does not yet make is margin).  Since ``r(z)`` is the
+    Euclidean norm of ``[z / sqrt(n), sqrt(eps)]``, the triangle inequality gives ``|r(z^) -
+    r(z)| <= ||e||_2 / sqrt(n) = rms(e) <= rho``, so ``r(z^) >= r_lo`` and
+    ``z^/r(z^) - z/r(z) = e / r(z^) + z (r(z) - r(z^)) / (r(z) r(z^))`` is entrywise at most
+    ``E / r_lo + |z| rho / (r r_lo)`` (not first order: exact), times ``|g|``.  The norm's own
+    arithmetic in ``u_acc`` (transformers' RMSNorms compute in float32, or wider): ``n`` rounded
+    squares and their non-negative sum (``HM_LAMBDA sqrt(n) u_acc`` relative, the probabilistic
+    bound of ``HM_LAMBDA``), the division by ``n``, ``+ eps``, the reciprocal square root (half
+    its argument's relative error, plus two ulps of its own), the products with ``z`` and with
+    the gain (and Gemma's ``1 + w``): at most ``(HM_LAMBDA sqrt(n) + 8) u_acc`` relative to
+    ``|y|``, plus two stores to the storage dtype (the normalised vector and the weighted one;
+    ``2 u_store``).  The rotation rounds two products and a sum, ``3 u_store (|y_c| + |y_c'|)``
+    (``roundings = 3``; fast.project's multiplication by the score scale and the check's division
+    by it add two: ``roundings = 5``).  A bound that cannot be stated (``r_lo <= 0``: an error as
+    large as the vector's RMS) is NaN, a failure.
+    """
+    u_acc = tl.unit_roundoff(dtype)
+    u_store = {torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11}.get(dtype, u_acc)
+    red = (-1,) if scope == "head" else (-2, -1)
+    n = z.shape[-1] if scope == "head" else z.shape[-1] * z.shape[-2]
+    E = tl.rotated_projection_abs(dtype, A, n_terms)
+    rho = E.pow(2).mean(red, keepdim=True).sqrt()
+    r = (z.pow(2).mean(red, keepdim=True) + eps).sqrt()
+    r_lo = torch.where(r > rho, r - rho, torch.full_like(r, math.nan))
+    ga = g.abs()
+    Y = ga * (z.abs() + E) / r_lo
+    En = ga * (E / r_lo + z.abs() * rho / (r * r_lo)) \
+        + ((tl.HM_LAMBDA * math.sqrt(n) + 8.0) * u_acc + 2.0 * u_store) * Y
+    return En + roundings * u_store * Y
+
+
+def _norm_terms(info: models.ModelInfo, conv: Any, spec: HeadSpec | None) -> int:
+    """The ``hidden`` count handed to :func:`ropestep.tolerances.agreement_rel_tol` (and
+    :func:`~ropestep.tolerances.position_eval_abs`, :func:`~ropestep.tolerances.native_rel_tol`)
+    for this layer: ``m`` for an affine head; ``2 m + n + 8`` where either side normalises q and
+    k (``n`` the norm's features: ``d``, or ``H d`` over the whole projection).
+
+    Derivation, first order as :func:`~ropestep.tolerances.agreement_rel_tol`'s: a projected
+    entry carries ``gamma_m`` relative to its absolute terms; :func:`_normalised_abs` shows the
+    normalised entry carries that error divided by the RMS (the same relative size) plus the
+    entry times the error's RMS over the RMS (a second ``gamma_m`` of the normalised entry) plus
+    the norm's own ``n`` squares summed, the square root and the products (``n / 2 + 4`` roundings
+    first order, counted as ``n + 8``): ``m + (m + n + 8)`` in all, per side, each side's errors
+    inside the margin as before."""
+    qk = conv.qk_norm or (spec is not None and spec.family == "qknorm")
+    if not qk:
+        return int(info.hidden)
+    full = conv.norm_scope == "all" or (spec is not None and spec.norm_scope == "all")
+    n = info.n_heads * info.head_dim if full else info.head_dim
+    return 2 * int(info.hidden) + n + 8
+
+
+# ---------------------------------------------------------------------------------------------
 # 1. conventions: the model's own projections, RoPE and GQA against ropestep's
 # ---------------------------------------------------------------------------------------------
 def conventions(model: Any, layer: int, x: Any, positions: Any, *,
@@ -186,13 +323,16 @@ def conventions(model: Any, layer: int, x: Any, positions: Any, *,
     (docs/math.md section 1).
 
     Model side, in the model's dtype on its device, nothing from :mod:`ropestep.spec` or
-    :mod:`ropestep.rope`: the layer's own ``q_proj``/``k_proj``/``v_proj`` modules, its rotary
-    module's tables (``model.model.rotary_emb(x, positions)``), the modeling module's
-    ``apply_rotary_pos_emb`` and ``repeat_kv`` (taken from ``sys.modules`` of the attention
-    class).  Ropestep side, float64, from the head description (``head``, default
+    :mod:`ropestep.rope`: the layer's own ``q_proj``/``k_proj``/``v_proj`` modules (and its own
+    ``q_norm``/``k_norm``, applied by its forward: per head after the reshape, or over the whole
+    projection for OLMo 2, before RoPE), its rotary module's tables
+    (``model.model.rotary_emb(x, positions)``), the modeling module's ``apply_rotary_pos_emb``
+    and ``repeat_kv`` (taken from ``sys.modules`` of the attention class).  Ropestep side, float64, from the head description (``head``, default
     :func:`ropestep.models.layer_head`): two routes, both must agree --
 
-    * ``"spec"``: ``x @ w_q + b_q`` rotated by :func:`ropestep.rope.apply_rope` with
+    * ``"spec"``: ``x @ w_q + b_q`` (for family ``"qknorm"`` normalised by
+      :func:`ropestep.kernel.rms_norm` with ``weights.q_norm``/``k_norm``, ``spec.norm_eps`` and
+      ``spec.norm_scope``) rotated by :func:`ropestep.rope.apply_rope` with
       :func:`ropestep.rope.rope_cos_sin` and ``spec.rope.layout``; keys and values of query head
       ``h`` taken from KV head ``spec.kv_head(h)`` (the map :mod:`ropestep.exact` uses);
     * ``"fast.project"``: :func:`ropestep.fast.project`'s rotated queries (divided by the score
@@ -204,8 +344,13 @@ def conventions(model: Any, layer: int, x: Any, positions: Any, *,
     ``dtype`` computation plus that of ropestep's float64 one, each with ``A = |x| |W|^T + |b|``
     summed over the rotation pair (the pair the *model* rotates together: ``|rotate_half(A)|``
     is the partner's) and mapped to query heads by the model's ``repeat_kv``, reduced as
-    ``max(bound) / max|model|``.  Both sides read the same ``dtype``-rounded ``x`` and the same
-    RoPE table values (:func:`ropestep.models.layer_head` takes the model's own tables).  The
+    ``max(bound) / max|model|``.  A layer with QK-norm bounds its normalised rotated queries and
+    keys by :func:`_normalised_abs` instead (the same projection error carried through the norm,
+    exactly, plus the norm's own roundings; the model's norm gains ``g`` as its modules act), the
+    model's side with 3 rotation roundings and ropestep's float64 side with 5 (fast.project's
+    score scale and the division by it), summed over the rotation pair as above.  Both sides
+    read the same ``dtype``-rounded ``x`` and the same RoPE table values
+    (:func:`ropestep.models.layer_head` takes the model's own tables).  The
     score scale ``spec.score_scale(h)`` is compared with the module's ``scaling`` (relative,
     ``nonnegative_ops_rel(8)``: each side is a square root and a quotient, or a power faithful
     to an ulp -- two roundings of a positive number each -- and the model's side is further
@@ -251,13 +396,30 @@ def conventions(model: Any, layer: int, x: Any, positions: Any, *,
             A = models.attention.pair_sum(A, conv)[..., perm] * max(a, 1.0)
         return A
 
-    Aq = abs_terms(parts["q"], H, True)
-    Ak = abs_terms(parts["k"], Hk, True).repeat_interleave(group, 0)
-    Av = abs_terms(parts["v"], Hk, False).repeat_interleave(group, 0)
     kterms = info.hidden + (parts["q"][1] is not None)
-    bound = {name: (tl.rotated_projection_abs(mdt, A_, kterms)
-                    + tl.rotated_projection_abs(F64, A_, kterms))
-             for name, A_ in (("q", Aq), ("k", Ak), ("v", Av))}
+    norms = _model_norms(model, int(layer), info, conv)
+
+    def normed_bound(part: tuple, nh: int, name: str) -> torch.Tensor:
+        """QK-norm: the model's side in its dtype plus ropestep's in float64 (_normalised_abs),
+        summed over the model's rotation pair, (nh, n, d) in ropestep's head-dim order."""
+        z, A = models.layouts.project(part, x64, nh)
+        g, eps = norms[name]
+        both = (_normalised_abs(mdt, z, A, kterms, g, eps, norms["scope"], 3)
+                + _normalised_abs(F64, z, A, kterms, g, eps, norms["scope"], 5))
+        return (models.attention.pair_sum(both, conv)[..., perm] * max(a, 1.0)).transpose(0, 1)
+
+    Av = abs_terms(parts["v"], Hk, False).repeat_interleave(group, 0)
+    if norms is None:
+        Aq = abs_terms(parts["q"], H, True)
+        Ak = abs_terms(parts["k"], Hk, True).repeat_interleave(group, 0)
+        bound = {name: (tl.rotated_projection_abs(mdt, A_, kterms)
+                        + tl.rotated_projection_abs(F64, A_, kterms))
+                 for name, A_ in (("q", Aq), ("k", Ak), ("v", Av))}
+    else:
+        bound = {"q": normed_bound(parts["q"], H, "q"),
+                 "k": normed_bound(parts["k"], Hk, "k").repeat_interleave(group, 0),
+                 "v": (tl.rotated_projection_abs(mdt, Av, kterms)
+                       + tl.rotated_projection_abs(F64, Av, kterms))}
     # values are not rotated: their A is not paired, and the bound's rotation roundings
     # (3 of its 4 u_store) are then margin
 
@@ -271,6 +433,11 @@ def conventions(model: Any, layer: int, x: Any, positions: Any, *,
     q0 = torch.einsum("nm,mhd->hnd", x64, wq) + bias(weights.b_q, H, d)[:, None]
     k0 = torch.einsum("nm,mhd->hnd", x64, wk) + bias(weights.b_k, Hk, d)[:, None]
     v0 = torch.einsum("nm,mhd->hnd", x64, wv) + bias(weights.b_v, Hk, r)[:, None]
+    if spec.family == "qknorm":  # the description's norms, before RoPE (ropestep.kernel's)
+        q0 = kernel.rms_norm(q0, torch.as_tensor(weights.q_norm).to("cpu", F64), spec.norm_eps,
+                             spec.norm_scope)
+        k0 = kernel.rms_norm(k0, torch.as_tensor(weights.k_norm).to("cpu", F64), spec.norm_eps,
+                             spec.norm_scope)
     cs, sn = rope.rope_cos_sin(spec, pos, F64)  # (H or 1, n, d/2)
     qs = rope.apply_rope(q0, cs, sn, spec.rope.layout) * a
     kv_map = [spec.kv_head(h) for h in range(H)]
@@ -337,7 +504,7 @@ def conventions(model: Any, layer: int, x: Any, positions: Any, *,
         if conv.rotary:
             record.update(rotary_cos=rec.cos.reshape(-1, rec.cos.shape[-1]),
                           rotary_sin=rec.sin.reshape(-1, rec.sin.shape[-1]))
-    return {
+    out = {
         "check": "conventions", "layer": int(layer), "model_dtype": str(mdt).replace("torch.", ""),
         "tokens": n, "positions": [int(pos.min()), int(pos.max())],
         "layout": spec.rope.layout,
@@ -351,6 +518,15 @@ def conventions(model: Any, layer: int, x: Any, positions: Any, *,
                            "max(bound)/max|model| per head"),
         "heads": heads, "routes": route_sum, "scale": scale, "ok": ok,
     }
+    if norms is not None:  # queries and keys normalised before the rotation
+        out["tolerance_from"] = (
+            f"q, k: realchecks._normalised_abs({str(mdt).replace('torch.', '')}, 3 rotation "
+            f"roundings) + (float64, 5) with n_terms={kterms}: the projection's "
+            "rotated_projection_abs carried through the layer's RMSNorm (scope "
+            f"{norms['scope']!r}, the model's gains) plus the norm's roundings, summed over the "
+            "model's rotation pair, mapped by the model's repeat_kv; v: rotated_projection_abs; "
+            "max(bound)/max|model| per head")
+    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -385,6 +561,12 @@ class ExactReference:
     bank order, ``keys`` (their indices in the bank), ``value_scale`` (``max_j |v_j|_inf``),
     ``kappa`` (the readout's condition number, :func:`ropestep.exact.kappa`), ``score_max``
     (``max_j |s_ij|``).  Exact values are rounded to float64 once (relative ``2^-53``).
+
+    ``space``: ``"input"`` for an affine head; ``"query"`` for a QK-norm head, whose score is not
+    affine in ``u`` (no input-space ``Delta M``): ``delta_m`` is then the query-space step
+    ``Delta M^q_i = [scale T_i; b_i^T]`` ((d+1, r), :func:`ropestep.exact.query_space_delta_m`,
+    input ``z_i = [q~_i; 1]``) and ``dm_scale`` the same sum with the query-space features
+    ``a^_j = [scale k~_j; beta_ij]`` (:func:`ropestep.exact.query_space_features`).
     """
 
     rows: list
@@ -398,6 +580,7 @@ class ExactReference:
     kappa: dict
     score_max: dict
     seconds: float
+    space: str = "input"
 
 
 def _one_head(spec: HeadSpec, weights: HeadWeights, h: int) -> tuple[HeadSpec, HeadWeights]:
@@ -405,6 +588,9 @@ def _one_head(spec: HeadSpec, weights: HeadWeights, h: int) -> tuple[HeadSpec, H
     g = spec.kv_head(h)
     base = spec.rope.bases(spec.n_heads)[h]
     rs = RoPESpec(base=base, layout=spec.rope.layout, cos=spec.rope.cos, sin=spec.rope.sin)
+    if spec.family == "qknorm" and spec.norm_scope != "head":
+        raise ValueError("a norm over every head of a token needs every head: build the whole "
+                         "layer (exact_reference does)")
     s1 = HeadSpec(n_heads=1, n_kv_heads=1, head_dim=spec.head_dim, v_dim=spec.v_dim, rope=rs,
                   family=spec.family, scale=spec.score_scale(h), softcap=spec.softcap,
                   alibi_slopes=None if spec.alibi_slopes is None else (spec.alibi_slopes[h],),
@@ -416,9 +602,15 @@ def _one_head(spec: HeadSpec, weights: HeadWeights, h: int) -> tuple[HeadSpec, H
         t = torch.as_tensor(a) if not isinstance(a, np.ndarray) else torch.from_numpy(a)
         return t.narrow(axis, i, 1).to("cpu", F64)
 
+    def gain(a: Any) -> Any:  # a per-head norm's gain (d,): shared by every head
+        if spec.family != "qknorm":
+            return None
+        return torch.as_tensor(np.asarray(a) if not torch.is_tensor(a) else a).to("cpu", F64)
+
     w1 = HeadWeights(w_q=sl(weights.w_q, h, 1), w_k=sl(weights.w_k, g, 1),
                      w_v=sl(weights.w_v, g, 1), b_q=sl(weights.b_q, h, 0),
-                     b_k=sl(weights.b_k, g, 0), b_v=sl(weights.b_v, g, 0))
+                     b_k=sl(weights.b_k, g, 0), b_v=sl(weights.b_v, g, 0),
+                     q_norm=gain(weights.q_norm), k_norm=gain(weights.k_norm))
     return s1, w1
 
 
@@ -433,6 +625,14 @@ def exact_reference(spec: HeadSpec, weights: HeadWeights, x: Any, positions: Any
     and only its permitted keys: the inputs and weights are converted to mpf exactly, so the
     values are the exact function of the captured float numbers to ``digits`` digits.  Cost:
     about ``4 N_i d (m + 1)`` mpf products per row (seconds per row at ``N_i ~ 16``, ``m ~ 900``).
+    The permitted keys are those of the description's mask: causal in positions, and within
+    ``spec.window`` of the query where it has one.
+
+    QK-norm heads (family ``"qknorm"``): a norm per head goes with its head (the gain is shared);
+    a norm over every head of a token (``spec.norm_scope == "all"``, OLMo 2) needs every head's
+    projection, so the row's query is built with the whole layer (every head, about ``H`` times
+    the cost; rows that share a query share the build).  The matrix kept is the query-space
+    ``Delta M^q_i`` (``space = "query"``, see :class:`ExactReference`).
     """
     import time
 
@@ -441,27 +641,46 @@ def exact_reference(spec: HeadSpec, weights: HeadWeights, x: Any, positions: Any
     if isinstance(digits, bool) or not isinstance(digits, (int, np.integer)) or digits < 16:
         raise ValueError(f"digits must be an int >= 16, got {digits!r}")
     rows = _rows(rows, spec.n_heads, xq.shape[0])
+    space = "input" if spec.affine else "query"
     ref = ExactReference(rows=rows, digits=int(digits), y={}, delta_m={}, dm_scale={}, c={},
-                         keys={}, value_scale={}, kappa={}, score_max={}, seconds=0.0)
+                         keys={}, value_scale={}, kappa={}, score_max={}, seconds=0.0,
+                         space=space)
+    whole = spec.family == "qknorm" and spec.norm_scope == "all"
+    built: dict = {}  # query -> the whole layer's build ("all" scope)
     for h, i in rows:
-        s1, w1 = _one_head(spec, weights, h)
-        keys = torch.nonzero(pk <= pq[i]).flatten()
-        E = exact.build(s1, w1, xq[i:i + 1].numpy(), pq[i:i + 1].numpy(), xk[keys].numpy(),
-                        pk[keys].numpy(), np.ones((1, keys.numel()), bool), dps=int(digits))
+        near = pk <= pq[i]
+        if spec.window is not None:  # the description's window (fast.step's causal mask)
+            near = near & (pq[i] - pk < int(spec.window))
+        keys = torch.nonzero(near).flatten()
+        args = (xq[i:i + 1].numpy(), pq[i:i + 1].numpy(), xk[keys].numpy(), pk[keys].numpy(),
+                np.ones((1, keys.numel()), bool))
+        if whole:
+            if i not in built:
+                built[i] = exact.build(spec, weights, *args, dps=int(digits))
+            E, he = built[i], h
+        else:
+            s1, w1 = _one_head(spec, weights, h)
+            E, he = exact.build(s1, w1, *args, dps=int(digits)), 0
+        nk = keys.numel()
         with mp.workprec(E.prec):
-            c, _ = exact.coefficients(E, 0, 0, "original")
-            M = exact.delta_m(E, 0, 0, "original")
-            kap = exact.kappa(E, 0, 0, "original")
-            smax = max(abs(E.s[0, 0, j]) for j in range(keys.numel()))
-        cf = np.array([float(c[j]) for j in range(keys.numel())])
-        feats = exact.to_float(np.stack([np.asarray(E.feats[0, 0, j], dtype=object)
-                                         for j in range(keys.numel())]))  # (N_i, m+1)
-        v = exact.to_float(np.stack([np.asarray(E.v[0, j], dtype=object)
-                                     for j in range(keys.numel())]))  # (N_i, r)
-        mu = exact.to_float(np.asarray(E.mu[0, 0], dtype=object))
+            c, _ = exact.coefficients(E, he, 0, "original")
+            if spec.affine:
+                M = exact.delta_m(E, he, 0, "original")
+                fe = [E.feats[he, 0, j] for j in range(nk)]  # (N_i, m+1)
+            else:
+                M = exact.query_space_delta_m(E, he, 0, "original")
+                _, qf = exact.query_space_features(E, he, 0, "original")
+                fe = [qf[j] for j in range(nk)]  # (N_i, d+1): [scale k~_j; beta_ij]
+            kap = exact.kappa(E, he, 0, "original")
+            smax = max(abs(E.s[he, 0, j]) for j in range(nk))
+        cf = np.array([float(c[j]) for j in range(nk)])
+        feats = exact.to_float(np.stack([np.asarray(f, dtype=object) for f in fe]))
+        v = exact.to_float(np.stack([np.asarray(E.v[he, j], dtype=object)
+                                     for j in range(nk)]))  # (N_i, r)
+        mu = exact.to_float(np.asarray(E.mu[he, 0], dtype=object))
         # sum-of-absolute-terms scale of every entry: sum_j |c_j a_jp| (|v_jq - mu_q| + |v_jq|)
         scale = (np.abs(cf)[:, None] * np.abs(feats)).T @ (np.abs(v - mu) + np.abs(v))
-        ref.y[h, i] = exact.to_float(np.asarray(E.y[0, 0], dtype=object))
+        ref.y[h, i] = exact.to_float(np.asarray(E.y[he, 0], dtype=object))
         ref.delta_m[h, i] = exact.to_float(np.array(M.tolist(), dtype=object))
         ref.dm_scale[h, i] = scale
         ref.c[h, i] = cf
@@ -495,6 +714,14 @@ def exact_rows(spec: HeadSpec, weights: HeadWeights, x: Any, positions: Any,
     first-order count ``(N + d + m + 8 + max|s|) u`` is reported as ``first_order``); of the
     readout: ``max(FLOAT64_REL, tolerances.readout_bound(float64, kappa_exact, N, d, max|s|))``.
     ``reference`` reuses an :func:`exact_reference` of the same rows (it is checked to match).
+
+    QK-norm heads (score not affine in ``u``: no input-space ``Delta M``): ``y``, ``c``, the
+    readout and ``kappa`` as above, and in place of ``Delta M_i`` the query-space step
+    ``Delta M^q_i = [scale T_i; b_i^T]`` (:func:`ropestep.fast.query_delta_m` against
+    :func:`ropestep.exact.query_space_delta_m`; input ``z_i = [q~_i; 1]``, the normalised rotated
+    query) with its own sum-of-absolute-terms scale (features ``a^_j = [scale k~_j; beta_ij]``),
+    under the same fields and tolerance; rows and result say ``"space": "query"``.  The
+    reported ``first_order`` count adds the norm's ``m + n + 8`` (:func:`_norm_terms`).
     """
     xq, pq, xk, pk, m = _bank(spec, weights, x, positions, x_kv, pos_kv)
     rws = _rows(rows, spec.n_heads, xq.shape[0])
@@ -502,18 +729,27 @@ def exact_rows(spec: HeadSpec, weights: HeadWeights, x: Any, positions: Any,
         reference = exact_reference(spec, weights, xq, pq, rws, digits, x_kv=xk, pos_kv=pk)
     elif [tuple(r_) for r_ in reference.rows] != rws:
         raise ValueError(f"reference holds rows {reference.rows[:4]}..., not the requested rows")
+    space = "input" if spec.affine else "query"
+    if reference.space != space:
+        raise ValueError(f"reference holds {reference.space}-space matrices, this head's "
+                         f"Delta M is in {space} space")
     qidx = sorted({i for _, i in rws})
     col = {i: n for n, i in enumerate(qidx)}
     st = fast.step(spec, weights, xq[qidx], pq[qidx], xk, pk, mask="causal", gauge="original",
-                   dtype=F64, delta_m=True)
+                   dtype=F64, delta_m=spec.affine)
+    # Delta M_i (input space, affine heads) or Delta M^q_i (query space, every family)
+    dms = st.delta_m if spec.affine else fast.query_delta_m(st)
     d = spec.head_dim
+    m_first = m
+    if not spec.affine:  # the norm's roundings (first order, _norm_terms)
+        m_first = 2 * m + d * (spec.n_heads if spec.norm_scope == "all" else 1) + 8
     out_rows = []
     for h, i in rws:
         q = col[i]
         keys = reference.keys[h, i]
         S = max(reference.value_scale[h, i], tl.SCALE_GUARD)
         y_rel = float(np.abs(st.y[h, q].numpy() - reference.y[h, i]).max() / S)
-        dm_err = np.abs(st.delta_m[h, q].numpy() - reference.delta_m[h, i])
+        dm_err = np.abs(dms[h, q].numpy() - reference.delta_m[h, i])
         sc = reference.dm_scale[h, i]
         dm_rel = float(dm_err.max() / max(float(sc.max()), tl.SCALE_GUARD))
         dm_rel_ent = float((dm_err / np.maximum(sc, tl.SCALE_GUARD)).max())
@@ -525,7 +761,7 @@ def exact_rows(spec: HeadSpec, weights: HeadWeights, x: Any, positions: Any,
         smax = reference.score_max[h, i]
         ro_tol = max(tl.FLOAT64_REL, float(tl.readout_bound(F64, reference.kappa[h, i], N, d,
                                                              smax)))
-        first = (N + d + m + 8 + smax) * U64
+        first = (N + d + m_first + 8 + smax) * U64
         ok = (within(y_rel, tl.FLOAT64_REL) and within(dm_rel, tl.FLOAT64_REL)
               and within(c_rel, tl.FLOAT64_REL) and within(ro_rel, ro_tol))
         out_rows.append({"head": h, "query": i, "position": int(pq[i]), "keys": N,
@@ -534,8 +770,10 @@ def exact_rows(spec: HeadSpec, weights: HeadWeights, x: Any, positions: Any,
                          "readout_rel": ro_rel, "readout_tol": ro_tol,
                          "kappa": reference.kappa[h, i], "score_max": smax,
                          "c_min_exact": float(ce.min()), "first_order": first, "ok": ok})
+        if not spec.affine:
+            out_rows[-1]["space"] = space
     ok = all(r_["ok"] for r_ in out_rows)
-    return {
+    out = {
         "check": "exact_rows", "digits": reference.digits, "rows": out_rows,
         "y_rel_max": worst(r_["y_rel"] for r_ in out_rows),
         "delta_m_rel_max": worst(r_["delta_m_rel"] for r_ in out_rows),
@@ -547,6 +785,11 @@ def exact_rows(spec: HeadSpec, weights: HeadWeights, x: Any, positions: Any,
                            "tolerances.readout_bound(float64, kappa_exact, N, d, max|s|)"),
         "exact_seconds": reference.seconds, "ok": ok,
     }
+    if not spec.affine:  # the query-space step Delta M^q_i = [scale T_i; b_i^T], (d+1) x r
+        out["space"] = space
+        out["tolerance_from"] = out["tolerance_from"].replace(
+            "Delta M (vs", "the query-space Delta M^q = [scale T; b^T] (vs")
+    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -606,7 +849,11 @@ def delta_m_rank(spec: HeadSpec, weights: HeadWeights, x: Any, positions: Any,
     ``r = d``) the claim ``<= d`` also follows from the shapes alone; the check then certifies
     that the computed product carries no spurious rank, and the ``N_i - 1`` part is not implied
     by shapes.
+
+    An input-space claim: a head whose score is not affine in ``u`` (QK-norm) has no
+    ``Delta M_i`` and is refused (``ValueError``).
     """
+    _affine(spec, "delta_m_rank")
     xq, pq, xk, pk, m = _bank(spec, weights, x, positions, x_kv, pos_kv)
     if weights.w_o is None:
         raise ValueError("delta_m_rank needs weights.w_o (the output projection)")
@@ -673,8 +920,11 @@ def no_global_readout(spec: HeadSpec, weights: HeadWeights, x_q: Any, pos_q: Any
     ``hull``: section 7's constructive witness for that ``M`` (its ``x``-part is non-zero): at
     ``x = t l_1`` (``l_1`` the top left singular vector of ``M_x``) the readout leaves the values'
     hull by ``certified >= 1``; ``t_over_input_norm`` compares that input's norm with the queries'.
+
+    An input-space claim (a readout affine in ``u``): a head whose score is not affine in ``u``
+    (QK-norm) is refused (``ValueError``).
     """
-    _affine(spec)
+    _affine(spec, "no_global_readout")
     m = weights.check(spec)
     xq = _x(x_q, m, "x_q")
     Q = xq.shape[0]
@@ -770,12 +1020,32 @@ def _hull_witness(M: torch.Tensor, v: torch.Tensor, mu: torch.Tensor, xq: torch.
 # ---------------------------------------------------------------------------------------------
 # 3d/3e. positional derivative and exact finite differences against the model's own attention
 # ---------------------------------------------------------------------------------------------
+def _rotary_inv_freq(model: Any, conv: Any) -> tuple[float, ...]:
+    """The layer's rotary frequencies (``R/2`` of them): the adapter's reading (``conv.inv_freq``,
+    the rotary module's ``inv_freq`` buffer) or, for a rotary module that holds one buffer per
+    layer type (Gemma 3's ``sliding_attention_inv_freq`` / ``full_attention_inv_freq``, called
+    with ``layer_type=...``), the buffer of this layer's type; ``()`` when there is none."""
+    if conv.inv_freq or not conv.rotary_dim:
+        return tuple(conv.inv_freq)
+    name, _, rest = (conv.rotary or "").partition("(layer_type=")
+    if not rest:
+        return ()
+    mod = dict(rotary_modules(model)).get(name)
+    fr = getattr(mod, f"{rest[1:-2]}_inv_freq", None)
+    if torch.is_tensor(fr) and fr.numel() == conv.rotary_dim // 2:
+        return tuple(float(v) for v in fr.detach().to("cpu", F64))
+    return ()
+
+
 class _Attention64:
     """The layer's attention as the model computes it, in float64, at any (fractional) positions.
 
     The layer's own projections (float64 copies of its weights, in the layout the adapter read
     and checked), its rotation (its pairing and rotary width, its tables' amplitude), query
-    head ``h`` reading KV head ``h // group``, its score multiplier and causal order (by
+    head ``h`` reading KV head ``h // group``, its own ``q_norm``/``k_norm`` where it has them
+    (:func:`_model_norms`, applied before the rotation as the layer applies them: per head after
+    the projection's reshape, or over the whole projection of a token for OLMo 2; in float64,
+    where transformers' norms would round to float32), its score multiplier and causal order (by
     sequence index, as Hugging Face masks); the softmax runs in float64 (the eager kernel's
     float32 softmax would cap the accuracy at ``2^-24``).  Causal order by sequence index is what
     a whole-model forward with moved position ids does *given an attention mask*: without one
@@ -795,17 +1065,23 @@ class _Attention64:
         self.scaling = conv.scaling
         n = x.shape[0]
 
-        def proj(part: tuple, nh: int) -> torch.Tensor:  # (nh, n, d), float64
-            return models.layouts.project(part, x, nh)[0].transpose(0, 1)
+        self.norms = _model_norms(model, conv.layer, info, conv)
+
+        def proj(part: tuple, nh: int, norm: str | None = None) -> torch.Tensor:  # (nh, n, d)
+            z = models.layouts.project(part, x, nh)[0]  # (n, nh, d), float64
+            if norm is not None and self.norms is not None:
+                z = _apply_model_norm(z, *self.norms[norm], self.norms["scope"])
+            return z.transpose(0, 1)
 
         with torch.no_grad():
-            self.q, self.k = proj(parts["q"], self.H), proj(parts["k"], self.Hk)
+            self.q, self.k = proj(parts["q"], self.H, "q"), proj(parts["k"], self.Hk, "k")
             self.v = proj(parts["v"], self.Hk).repeat_interleave(self.group, 0)
         self.n = n
-        if conv.rotary_dim and not conv.inv_freq:
+        inv_freq = _rotary_inv_freq(model, conv)
+        if conv.rotary_dim and not inv_freq:
             raise ValueError(f"{info.name}: layer {conv.layer}'s rotary module has no inv_freq "
                              "buffer to evaluate exact angles with")
-        self.inv_freq = torch.tensor(conv.inv_freq, dtype=F64)
+        self.inv_freq = torch.tensor(inv_freq, dtype=F64)
 
     def _heads(self, cos: torch.Tensor, sin: torch.Tensor, rows: Sequence[int]) -> torch.Tensor:
         """``cos``/``sin``: per-pair tables ``(n, R/2)`` (amplitude included)."""
@@ -848,17 +1124,23 @@ def _anchor(att: _Attention64, pos: torch.Tensor, heads: Any, mdt: torch.dtype) 
     mine = att.heads_with_model_tables(pos)
     den = cap.abs().amax((0, 2)).clamp_min(tl.SCALE_GUARD)
     rel = (mine - cap).abs().amax((0, 2)) / den  # per head
+    m = _norm_terms(att.info, att.conv, None)  # m, or 2m + n + 8 with QK-norm
     if mdt == F64:
-        tol = tl.agreement_rel_tol(F64, att.n, att.d, att.info.hidden)
+        tol = tl.agreement_rel_tol(F64, att.n, att.d, m)
         src = "agreement_rel_tol(float64)"
     elif mdt == torch.float32:
-        tol, src = tl.native_rel_tol(att.n, att.d, att.info.hidden), "native_rel_tol"
+        tol, src = tl.native_rel_tol(att.n, att.d, m), "native_rel_tol"
     else:
         with torch.no_grad():
             qn = torch.linalg.vector_norm(att.q, dim=-1).max()
             kn = torch.linalg.vector_norm(att.k, dim=-1).max()
-        tol = tl.native_rel_tol_lowp(mdt, float(qn * kn) * att.scaling)
-        src = "native_rel_tol_lowp"
+        # QK-norm: each normalised entry within 4 u_lp relative instead of u_lp -- the stored
+        # projection's rounding |e| <= u_lp |z| through the norm is at most 2 u_lp |y|
+        # (_normalised_abs with E = u_lp |z|, rho <= u_lp r), then two stores -- so the scores'
+        # Cauchy-Schwarz term 2 u_lp |q~||k~| scale becomes 8 u_lp |q~||k~| scale
+        qk = float(qn * kn) * att.scaling * (4.0 if att.norms is not None else 1.0)
+        tol = tl.native_rel_tol_lowp(mdt, qk)
+        src = "native_rel_tol_lowp" + (" (QK-norm: 4 |q~||k~| scale)" if att.norms else "")
     return {"rel_max": worst(rel), "tolerance": tol,
             "tolerance_from": f"tolerances.{src}: the captured heads against this float64 "
                               "composition of the model's attention with its own tables",
@@ -982,12 +1264,18 @@ def position_derivative(model: Any, layer: int, x: Any, positions: Any, queries:
     the angles' rounding).  ``h = 2^round(log2 (3 eps_y / B3)^(1/3))`` minimises the bound; a power
     of two keeps ``p_i +- h`` exact.  ``heads`` (the captured per-head outputs over ``x``) adds
     the anchor: this float64 composition, with the model's own float32 tables, reproduces them.
+
+    QK-norm heads: the norms act on q and k before the rotation and do not depend on positions,
+    so ``s_ij = q^_i R(p_j - p_i) k^_j^T scale`` with the normalised ``q^``, ``k^`` and every
+    formula above holds with the normalised rotated vectors (:func:`ropestep.fast.project`'s
+    ``q``/``k``, and :class:`_Attention64`'s model-side ones); ``m`` in the tolerances is then
+    :func:`_norm_terms`'s ``2 m + n + 8`` (the norm's roundings).
     """
     info, conv, parts, x64, pos, qs, spec_an, weights, mdt = _setup_positional(
         model, layer, x, positions, queries, head)
     att = _Attention64(model, info, conv, parts, x64)
     P = fast.project(spec_an, weights, x64[qs], pos[qs], x64, pos, dtype=F64)
-    m, d = info.hidden, info.head_dim
+    m, d = _norm_terms(info, conv, spec_an), info.head_dim  # m, or 2m + n + 8 with QK-norm
     rows = []
     for qn, i in enumerate(qs):
         pi = int(pos[i])
@@ -1057,6 +1345,8 @@ def position_shift(model: Any, layer: int, x: Any, positions: Any, queries: Sequ
     ``tolerances.position_eval_abs(N, d, m, S, p_i + |delta|, B1)`` of the other, so the
     difference of differences within twice that (``S = max|v|``, ``B1 = R D1`` as in
     :func:`position_derivative`).  ``rel`` relates the error to the size of the difference.
+    QK-norm heads as in :func:`position_derivative` (normalised rotated vectors; ``m`` is
+    :func:`_norm_terms`'s count).
     """
     info, conv, parts, x64, pos, qs, spec_an, weights, mdt = _setup_positional(
         model, layer, x, positions, queries, head)
@@ -1068,7 +1358,7 @@ def position_shift(model: Any, layer: int, x: Any, positions: Any, queries: Sequ
         raise ValueError(f"deltas must be non-empty integers, got {list(deltas)}")
     att = _Attention64(model, info, conv, parts, x64)
     P = fast.project(spec_an, weights, x64[qs], pos[qs], x64, pos, dtype=F64)
-    m, d = info.hidden, info.head_dim
+    m, d = _norm_terms(info, conv, spec_an), info.head_dim  # m, or 2m + n + 8 with QK-norm
     y0 = att.heads_at(pos.to(F64), qs)  # (Qs, H, r)
     rows = []
     for delta in ds_:

@@ -324,13 +324,16 @@ def _layer_md(layer: int, lr: dict, r: dict, paper: dict | None, figs: list[str]
     qs, rep = dsc.get("query_space"), dsc.get("replication_style")
     L += ["### Descent check", "",
           "Each parametrisation is reported under its own label; numbers of one space are "
-          "never set beside the other's.", "",
-          f"**Input space** (the paper's: `u = [x; 1]`, `H_i = sum_j c_ij a_ij a_ij^T`, unit "
-          f"step `dM_i`; a head counts when the median over its rows increases E): "
-          f"**{dsc['heads_increasing']} of {dsc['heads']} heads** increase E "
-          f"({fmt(dsc['fraction_heads_increasing'])}); rows increasing: "
-          f"{fmt(dsc['fraction_rows_increasing'])}; lambda_max median "
-          f"{fmt(dsc['lam_max']['median'])}, max {fmt(dsc['lam_max']['max'])}.", ""]
+          "never set beside the other's.", ""]
+    if "not_defined" in dsc:
+        L += [f"**Input space**: not defined here — {dsc['not_defined']}.", ""]
+    else:
+        L += [f"**Input space** (the paper's: `u = [x; 1]`, `H_i = sum_j c_ij a_ij a_ij^T`, "
+              f"unit step `dM_i`; a head counts when the median over its rows increases E): "
+              f"**{dsc['heads_increasing']} of {dsc['heads']} heads** increase E "
+              f"({fmt(dsc['fraction_heads_increasing'])}); rows increasing: "
+              f"{fmt(dsc['fraction_rows_increasing'])}; lambda_max median "
+              f"{fmt(dsc['lam_max']['median'])}, max {fmt(dsc['lam_max']['max'])}.", ""]
     if qs is not None:
         L += [f"**Query space** (variable: the rotated query; features `scale k~_j`), same rows: "
               f"**{qs['heads_increasing']} of {qs['heads']} heads** increase E; rows increasing "
@@ -343,13 +346,15 @@ def _layer_md(layer: int, lr: dict, r: dict, paper: dict | None, figs: list[str]
               + (" — the public replication measured 3 of 28 (median 0.51, max 109.56) this way "
                  "on Qwen2.5-0.5B layer 23, with 2 short synthetic prompts" if paper else "")
               + ".", ""]
-    rows = [[str(d["head"]), fmt(d["lam_max"]["median"]), fmt(d["lam_max"]["max"]),
-             fmt(d["frac_lam_gt_2"]), fmt(d["frac_rows_increase"]), fmt(d["increases"])]
-            + ([fmt(qd["lam_max"]["median"]), fmt(qd["frac_rows_increase"]),
-                fmt(qd["increases"])] if qs is not None else [])
-            for d, qd in zip(dsc["per_head"], (qs or dsc)["per_head"])]
-    L += _table(["Head", "input λ_max median", "input λ_max max", "input frac λ>2",
-                 "input frac rows E↑", "input E increases"]
+    ins = "not_defined" not in dsc
+    rows = [([str(qd["head"])]
+             + ([fmt(d["lam_max"]["median"]), fmt(d["lam_max"]["max"]), fmt(d["frac_lam_gt_2"]),
+                 fmt(d["frac_rows_increase"]), fmt(d["increases"])] if ins else [])
+             + ([fmt(qd["lam_max"]["median"]), fmt(qd["frac_rows_increase"]),
+                 fmt(qd["increases"])] if qs is not None else []))
+            for d, qd in zip((dsc if ins else qs)["per_head"], (qs or dsc)["per_head"])]
+    L += _table(["Head"] + (["input λ_max median", "input λ_max max", "input frac λ>2",
+                             "input frac rows E↑", "input E increases"] if ins else [])
                 + (["query λ_max median", "query frac rows E↑", "query E increases"]
                    if qs is not None else []), rows)
     L.append("")
@@ -373,6 +378,9 @@ def _layer_md(layer: int, lr: dict, r: dict, paper: dict | None, figs: list[str]
         for name, desc in what.items():
             a = rh.get(name)
             if not a:
+                if name in (rh.get("not_defined") or {}):
+                    rows.append([f"`{name}`", desc, "not defined: " + rh["not_defined"][name],
+                                 "", ""])
                 continue
             vals = " / ".join(fmt(a[f]) for f in a if f not in ("contexts", "ok"))
             rows.append([f"`{name}`", desc, vals, str(a["contexts"]),
@@ -478,7 +486,9 @@ def _fig_reuse(plt, layer: int, lr: dict):
 
 
 def _fig_lam(plt, layer: int, lr: dict):
-    pts = lr["descent"]["points"]
+    dsc = lr["descent"]
+    space = "query" if "not_defined" in dsc else "input"
+    pts = (dsc["query_space"] if space == "query" else dsc)["points"]
     heads = np.asarray(pts["head"])
     lam = np.asarray([_num(v) for v in pts["lam_max"]], float)
     uh = sorted(set(heads.tolist()))
@@ -489,7 +499,7 @@ def _fig_lam(plt, layer: int, lr: dict):
     ax.axhline(2.0, color="crimson", ls="--", lw=1, label="λ = 2 (unit step descends below)")
     ax.set_yscale("log")
     ax.set_xlabel("head")
-    ax.set_ylabel("λ_max(H_i) over contexts × queries")
+    ax.set_ylabel(f"λ_max(H_i), {space} space, over contexts × queries")
     ax.set_title(f"Layer {layer}: curvature of the gradient-step objective")
     ax.legend(fontsize=8)
     fig.tight_layout()

@@ -11,6 +11,16 @@ Mutations (each must turn ``ok`` False):
   :func:`position_derivative` and :func:`position_shift`;
 * a perturbed ``Delta M`` -- caught by :func:`exact_rows`.
 
+QK-norm heads (tiny random Qwen3, OLMo 2 and Gemma 3 from :mod:`ropestep.archzoo`, 24 tokens):
+every check of the query-space identity passes, :func:`exact_rows` compares the query-space
+``Delta M^q`` (and catches it perturbed), the input-space claims refuse the heads, and
+
+* the model's ``q_norm`` left out on ropestep's side (its gain set to ones, or the head
+  described as family ``"dot"``), Gemma 3's gain read as ``w`` instead of ``1 + w``, and the norm
+  scope read wrong (OLMo 2's norm over the whole projection taken per head; Qwen3's per-head norm
+  taken over the whole projection) are caught by :func:`conventions`, the positional checks and,
+  for the scope, :func:`exact_rows`.
+
 Sizes are small (64-token contexts, rows with at most 6 keys for the oracle) so the file runs in
 well under two minutes on two loaded cores.
 """
@@ -446,10 +456,11 @@ def test_position_shift_and_off_by_one(tiny, monkeypatch):
 # ---------------------------------------------------------------------------------------------
 # bad input
 # ---------------------------------------------------------------------------------------------
-def test_bad_input(tiny, build_tiny):
+def test_bad_input(tiny):
     m, x, pos, spec, w = tiny["model"], tiny["x"], tiny["pos"], tiny["spec"], tiny["w"]
     xn = x.clone()
     xn[3, 5] = float("nan")
+    cosine = replace(spec, family="cosine", scale=None)  # a family the checks do not cover
     cases = [
         (lambda: rc.conventions(m, LAYER, xn, pos), "NaN"),
         (lambda: rc.conventions(m, LAYER, x[:, :10], pos), "width"),
@@ -463,11 +474,277 @@ def test_bad_input(tiny, build_tiny):
         (lambda: rc.positive_coefficients(spec, w, x[:5], pos), "shape"),
         (lambda: rc.delta_m_rank(spec, replace(w, w_o=None), x, pos, [(0, 1)]), "w_o"),
         (lambda: rc.conventions(torch.nn.Linear(2, 2), 0, x, pos), "not a rotary attention"),
-        (lambda: rc.conventions(build_tiny("qwen3", seed=5), 0, x, pos), "not affine"),
+        (lambda: rc.positive_coefficients(cosine, w, x, pos), "'cosine' is not covered"),
+        (lambda: rc.exact_rows(cosine, w, x, pos, [(0, 1)]), "'cosine' is not covered"),
+        (lambda: rc.conventions(m, LAYER, x, pos, head=(cosine, w)), "'cosine' is not covered"),
+        (lambda: rc.position_shift(m, LAYER, x, pos, [3], head=(cosine, w)), "not covered"),
+        (lambda: rc.delta_m_rank(cosine, w, x, pos, [(0, 1)]), "not covered"),
     ]
     for call, msg in cases:
         with pytest.raises(ValueError, match=msg):
             call()
+
+
+# ---------------------------------------------------------------------------------------------
+# QK-norm heads: tiny random Qwen3 (per head), OLMo 2 (over the whole projection), Gemma 3 (per
+# head, gain 1 + w; a sliding-window layer), built offline by ropestep.archzoo
+# ---------------------------------------------------------------------------------------------
+QK_N = 24  # tokens per QK-norm context
+QK_LAYERS = {"qwen3": 1, "olmo2": 1, "gemma3": 0}  # gemma3's layer 0: window 16 < QK_N
+QK_ROWS = {"qwen3": [(0, 3), (3, 5)], "olmo2": [(0, 4), (3, 4)],  # olmo2: one whole-layer build
+           "gemma3": [(1, 3), (2, 5)]}
+
+
+@pytest.fixture(scope="module")
+def qk():
+    """``qk(name)``: an archzoo model (seed 0) with QK-norm, its layer ``QK_LAYERS[name]`` over
+    ``QK_N`` seeded tokens -- capture, head description -- built once per name."""
+    from ropestep import archzoo
+
+    cache: dict = {}
+
+    def get(name: str) -> dict:
+        if name not in cache:
+            model = archzoo.build(name, seed=0)
+            L = QK_LAYERS[name]
+            ids = torch.randint(0, archzoo.VOCAB, (QK_N,),
+                                generator=torch.Generator().manual_seed(1))
+            cap = models.capture(model, ids, [L])[L]
+            spec, w = models.layer_head(model, L, QK_N)
+            if spec.rope.freqs is None:
+                # Gemma 3's rotary module holds one inv_freq buffer per layer type, which the
+                # adapter does not read (layer_head then describes exact angles by the config's
+                # top-level base): hand the description its layer type's frequencies, as the
+                # positional checks' model side reads them
+                info = models.describe_model(model)
+                spec = replace(spec, rope=replace(spec.rope, freqs=rc._rotary_inv_freq(
+                    model, info.layers[L])))
+            cache[name] = {"model": model, "layer": L, "x": cap.x, "pos": cap.positions,
+                           "heads": cap.heads, "spec": spec, "w": w}
+        return cache[name]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def qk_reference(qk):
+    """``qk_reference(name)``: the oracle on ``QK_ROWS[name]`` (shared by the exact-row tests)."""
+    cache: dict = {}
+
+    def get(name: str):
+        if name not in cache:
+            t = qk(name)
+            cache[name] = rc.exact_reference(t["spec"], t["w"], t["x"], t["pos"], QK_ROWS[name])
+        return cache[name]
+
+    return get
+
+
+def _qk_args(t: dict) -> tuple:
+    return t["model"], t["layer"], t["x"], t["pos"]
+
+
+def test_qknorm_heads_as_the_adapter_reads_them(qk):
+    """The three QK-norm conventions the checks below exercise: Qwen3's per-head gain ``(d,)``,
+    OLMo 2's over the whole projection (``norm_scope="all"``, ``(H, d)`` and ``(H_kv, d)``
+    gains), Gemma 3's per-head gain read as it acts, ``1 + w`` (``w`` the module's weight)."""
+    q3, o2, g3 = qk("qwen3"), qk("olmo2"), qk("gemma3")
+    for t, scope in ((q3, "head"), (o2, "all"), (g3, "head")):
+        assert t["spec"].family == "qknorm" and t["spec"].norm_scope == scope
+    d, H, Hk = o2["spec"].head_dim, o2["spec"].n_heads, o2["spec"].n_kv_heads
+    assert tuple(q3["w"].q_norm.shape) == (d,) and tuple(o2["w"].q_norm.shape) == (H, d)
+    assert tuple(o2["w"].k_norm.shape) == (Hk, d)
+    attn = g3["model"].model.layers[g3["layer"]].self_attn
+    w = attn.q_norm.weight.detach().double()
+    assert float(w.abs().max()) > 0.1  # not the neutral 0: 1 + w differs from w
+    info = models.describe_model(g3["model"])
+    perm = models.attention.head_order(info.layers[g3["layer"]], d)
+    assert torch.allclose(torch.as_tensor(g3["w"].q_norm).double(), (1.0 + w)[perm],
+                          rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", list(QK_LAYERS))
+def test_qknorm_checks_pass(name, qk):
+    """conventions, c > 0 and both positional checks on a QK-norm layer, with their derived
+    tolerances (the norm's terms: realchecks._normalised_abs, realchecks._norm_terms)."""
+    t = qk(name)
+    head = (t["spec"], t["w"])
+    conv = rc.conventions(*_qk_args(t), head=head)
+    pc = rc.positive_coefficients(t["spec"], t["w"], t["x"], t["pos"])
+    der = rc.position_derivative(*_qk_args(t), [9, QK_N - 1], heads=t["heads"], head=head)
+    sh = rc.position_shift(*_qk_args(t), [9, QK_N - 1], deltas=(1, 7), heads=t["heads"],
+                           head=head)
+    print(f"{name}: conventions q/k/v rel {conv['q_rel_max']:.2e}/{conv['k_rel_max']:.2e}/"
+          f"{conv['v_rel_max']:.2e} (tol {conv['tolerance_max']:.2e}); min c {pc['min_c']:.2e}; "
+          f"dy/dp err/tol {der['ratio_max']:.1e} (anchor {der['anchor']['rel_max']:.1e} <= "
+          f"{der['anchor']['tolerance']:.1e}); shift err/tol {sh['ratio_max']:.1e}")
+    for res in (conv, pc, der, sh):
+        assert res["ok"], (res["check"], res)
+        _json(res)
+    assert conv["routes"]["spec"]["ok"] and conv["routes"]["fast.project"]["ok"]
+    assert der["anchor"]["ok"] and sh["anchor"]["ok"]
+    assert pc["coefficients"] > 0 and pc["min_c"] > 0
+
+
+@pytest.mark.parametrize("name", list(QK_LAYERS))
+def test_qknorm_exact_rows_in_query_space(name, qk, qk_reference, monkeypatch):
+    """The oracle against the fast path on QK-norm rows: y, c, the readout, and the query-space
+    step ``Delta M^q = [scale T; b^T]`` ((d+1) x r) in place of the input-space one; a relative
+    1e-9 error planted in ``fast.query_delta_m`` is caught there (and only there)."""
+    t = qk(name)
+    ref = qk_reference(name)
+    args = (t["spec"], t["w"], t["x"], t["pos"], QK_ROWS[name])
+    res = rc.exact_rows(*args, reference=ref)
+    print(f"{name} exact rows:", {k: res[k] for k in ("y_rel_max", "delta_m_rel_max",
+                                                      "c_rel_max", "readout_rel_max",
+                                                      "exact_seconds")})
+    assert res["ok"], res
+    assert res["space"] == "query" and ref.space == "query"
+    assert all(r["space"] == "query" for r in res["rows"])
+    d, r = t["spec"].head_dim, t["spec"].r
+    assert all(m_.shape == (d + 1, r) for m_ in ref.delta_m.values())
+    _json(res)
+
+    orig = fast.query_delta_m
+
+    def perturbed(st):
+        dm = orig(st)
+        dm[..., 0, 0] += 1e-9 * dm.abs().amax((-1, -2))
+        return dm
+
+    monkeypatch.setattr(fast, "query_delta_m", perturbed)
+    bad = rc.exact_rows(*args, reference=ref)
+    print(f"{name} perturbed Delta M^q:", bad["delta_m_rel_max"])
+    assert not bad["ok"] and bad["delta_m_rel_max"] > tl.FLOAT64_REL
+    assert bad["y_rel_max"] <= tl.FLOAT64_REL and bad["c_rel_max"] <= tl.FLOAT64_REL
+
+
+def test_qknorm_input_space_claims_refused(qk):
+    """rank(Delta M W_o) and the global affine readout are input-space claims: a QK-norm head
+    (no Delta M of u) is refused with the reason, not checked."""
+    t = qk("qwen3")
+    spec, w, x, pos = t["spec"], t["w"], t["x"], t["pos"]
+    with pytest.raises(ValueError, match="stated in input space .* not defined for a non-affine"):
+        rc.delta_m_rank(spec, w, x, pos, [(0, 5)])
+    with pytest.raises(ValueError, match="no_global_readout: the claim is stated in input space"):
+        rc.no_global_readout(spec, w, x[:3], torch.full((3,), QK_N), x, torch.arange(QK_N))
+
+
+def test_qknorm_skipped_on_ropesteps_side_caught(qk):
+    """The model's q_norm left out of ropestep's description -- its gain replaced by ones, or the
+    whole head described as family "dot" with the same weights -- fails conventions and the
+    positional checks (the model side applies the layer's own norms)."""
+    t = qk("qwen3")
+    spec, w = t["spec"], t["w"]
+    ones = replace(w, q_norm=torch.ones_like(torch.as_tensor(w.q_norm)))
+    res = rc.conventions(*_qk_args(t), head=(spec, ones))
+    print("q_norm gain ones: q_rel", res["q_rel_max"], "k_rel", res["k_rel_max"],
+          "tolerance", res["tolerance_max"])
+    assert not res["ok"] and res["q_rel_max"] > tl.DETECT_FACTOR * res["tolerance_max"]
+    assert all(h["k_rel"] <= h["k_tol"] for h in res["heads"])  # k_norm untouched
+    der = rc.position_derivative(*_qk_args(t), [9, QK_N - 1], head=(spec, ones))
+    print("q_norm gain ones: dy/dp err/tol", der["ratio_max"])
+    assert not der["ok"] and der["ratio_max"] > tl.DETECT_FACTOR
+
+    dot = replace(spec, family="dot")  # no norm at all, the same projections
+    res = rc.conventions(*_qk_args(t), head=(dot, w))
+    print("family dot: q_rel", res["q_rel_max"], "k_rel", res["k_rel_max"])
+    assert not res["ok"] and not res["routes"]["spec"]["ok"]
+    assert not res["routes"]["fast.project"]["ok"]
+    assert min(res["q_rel_max"], res["k_rel_max"]) > tl.DETECT_FACTOR * res["tolerance_max"]
+    assert res["v_rel_max"] <= res["tolerance_max"]  # values are not normalised
+    sh = rc.position_shift(*_qk_args(t), [9, QK_N - 1], deltas=(1, 7), head=(dot, w))
+    print("family dot: shift err/tol", sh["ratio_max"])
+    assert not sh["ok"] and sh["ratio_max"] > tl.DETECT_FACTOR
+
+
+def test_gemma3_gain_read_as_w_caught(qk):
+    """Gemma 3's norm multiplies by ``1 + w``: a description that takes ``w`` itself as the gain
+    fails conventions on queries and keys."""
+    t = qk("gemma3")
+    w = t["w"]
+    bare = replace(w, q_norm=torch.as_tensor(w.q_norm) - 1.0,
+                   k_norm=torch.as_tensor(w.k_norm) - 1.0)
+    res = rc.conventions(*_qk_args(t), head=(t["spec"], bare))
+    print("gemma3 gain w: q_rel", res["q_rel_max"], "k_rel", res["k_rel_max"])
+    assert not res["ok"]
+    assert min(res["q_rel_max"], res["k_rel_max"]) > tl.DETECT_FACTOR * res["tolerance_max"]
+
+
+def test_norm_scope_read_wrong_caught(qk, qk_reference, monkeypatch):
+    """OLMo 2 normalises over the whole projection of a token: ropestep's RMSNorm taken per head
+    instead (the scope ignored, in the fast layer and in the "spec" route) fails conventions,
+    the positional derivative and the oracle rows (the oracle's own norm is over every head);
+    and Qwen3's per-head norm described as one over the whole projection fails conventions."""
+    from ropestep import kernel
+
+    q3 = qk("qwen3")
+    spec, w = q3["spec"], q3["w"]
+    H, Hk = spec.n_heads, spec.n_kv_heads
+    tiled = replace(w, q_norm=torch.as_tensor(w.q_norm).expand(H, -1).clone(),
+                    k_norm=torch.as_tensor(w.k_norm).expand(Hk, -1).clone())
+    res = rc.conventions(*_qk_args(q3), head=(replace(spec, norm_scope="all"), tiled))
+    print("qwen3 read as 'all': q_rel", res["q_rel_max"], "k_rel", res["k_rel_max"])
+    assert not res["ok"] and res["q_rel_max"] > tl.DETECT_FACTOR * res["tolerance_max"]
+
+    o2 = qk("olmo2")
+    ref = qk_reference("olmo2")
+    ok = rc.conventions(*_qk_args(o2))
+    assert ok["ok"]
+    orig = kernel.rms_norm
+
+    def per_head(x, g, eps, scope="head"):  # the scope read wrong: always per head
+        return orig(x, g[:, None, :] if scope == "all" else g, eps, "head")
+
+    monkeypatch.setattr(kernel, "rms_norm", per_head)
+    monkeypatch.setattr(fast, "rms_norm", per_head)
+    res = rc.conventions(*_qk_args(o2))
+    print("olmo2 scope per head: q_rel", res["q_rel_max"], "k_rel", res["k_rel_max"],
+          "tolerance", res["tolerance_max"])
+    assert not res["ok"] and not res["routes"]["spec"]["ok"]
+    assert not res["routes"]["fast.project"]["ok"]
+    assert min(res["q_rel_max"], res["k_rel_max"]) > tl.DETECT_FACTOR * res["tolerance_max"]
+    der = rc.position_derivative(*_qk_args(o2), [9, QK_N - 1])
+    print("olmo2 scope per head: dy/dp err/tol", der["ratio_max"])
+    assert not der["ok"] and der["ratio_max"] > tl.DETECT_FACTOR
+    ex = rc.exact_rows(o2["spec"], o2["w"], o2["x"], o2["pos"], QK_ROWS["olmo2"], reference=ref)
+    print("olmo2 scope per head: exact y_rel", ex["y_rel_max"])
+    assert not ex["ok"] and ex["y_rel_max"] > tl.DETECT_REL_FINE
+
+
+def test_normalised_bound_covers_float32_rms_norm():
+    """realchecks._normalised_abs against a float32 projection and RMSNorm (as transformers'
+    norms compute) of random inputs, per head and over the whole projection: every entry within
+    the bound, and the bound not loose by more than 50x on the power cases (non-negative inputs
+    and weights: the projection's partial sums as large as they can be) -- measured 0.04-0.05
+    there; a bound 10x looser fails this test."""
+    gen = torch.Generator().manual_seed(0)
+    n, H, d, m, eps = 16, 4, 32, 128, 1e-6
+    ratios = {}
+    for scope in ("head", "all"):
+        for trial in range(6):
+            x = torch.randn(n, m, generator=gen).float()
+            W = (torch.randn(H * d, m, generator=gen) * (0.1 if trial % 2 else 1.0)).float()
+            power = trial % 3 == 0
+            if power:
+                x, W = x.abs(), W.abs()
+            g = (1.0 + 0.3 * torch.randn(d if scope == "head" else H * d, generator=gen)).float()
+            z32 = (x @ W.T).view(n, H, d)
+            if scope == "head":
+                y32 = z32 * torch.rsqrt(z32.pow(2).mean(-1, keepdim=True) + eps) * g
+                g64 = g.double()
+            else:
+                f = z32.reshape(n, -1)
+                y32 = (f * torch.rsqrt(f.pow(2).mean(-1, keepdim=True) + eps) * g).view(n, H, d)
+                g64 = g.double().view(H, d)
+            z = (x.double() @ W.double().T).view(n, H, d)
+            A = (x.double().abs() @ W.double().abs().T).view(n, H, d)
+            y = rc._apply_model_norm(z, g64, eps, scope)
+            bound = rc._normalised_abs(torch.float32, z, A, m, g64, eps, scope, 0)
+            ratios[scope, trial, power] = float(((y32.double() - y).abs() / bound).max())
+    print("err / bound:", {k: round(v, 4) for k, v in ratios.items()})
+    assert max(ratios.values()) <= 1.0
+    assert max(v for (_, _, p), v in ratios.items() if p) > 0.02
 
 
 # ---------------------------------------------------------------------------------------------

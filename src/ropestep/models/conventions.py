@@ -257,6 +257,9 @@ def _norm_weight(norm: Any, d: int, what: str) -> tuple[torch.Tensor, float]:
     if eps is None:
         raise UnsupportedModelError(f"{what}: RMSNorm without an eps attribute")
     p = next(norm.parameters())
+    if p.numel() != d:  # a reading whose norm scope the module does not have
+        raise UnsupportedModelError(f"{what}: the module normalises {p.numel()} values, the "
+                                    f"reading {d} (norm scope read wrong)")
     gen = torch.Generator().manual_seed(0)
     z = (torch.rand(4, d, generator=gen, dtype=F64) + 0.5) * torch.where(
         torch.rand(4, d, generator=gen) < 0.5, -1.0, 1.0).to(F64)
@@ -526,6 +529,8 @@ def _read_layer(model: Any, info: ModelInfo, L: int, r: AttentionRecord) -> Laye
     inv = ()
     rmod = dict(rotary_modules(model)).get(match[0])
     fr = getattr(rmod, "inv_freq", None)
+    if fr is None and match[1] is not None:  # one buffer per layer type (Gemma 3)
+        fr = getattr(rmod, f"{match[1]}_inv_freq", None)
     if torch.is_tensor(fr) and fr.numel() == Rr // 2 and Rr:
         inv = tuple(float(v) for v in fr.detach().to("cpu", F64))
     return LayerConventions(
