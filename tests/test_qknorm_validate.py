@@ -20,21 +20,19 @@ import pytest
 import torch
 
 from ropestep import exact, fast, protocol, tolerances
-from ropestep.spec import HeadSpec, HeadWeights, RoPESpec
+from ropestep.spec import HeadSpec, HeadWeights
 
-N, Q, M, H, HK, D = 10, 4, 6, 4, 2, 4
+from test_qknorm_scope import D, H, M, N, _head  # noqa: E402  (the suite's QK-norm heads)
+
+Q = 4
 F64 = torch.float64
 
 
 def _case(scope: str):
-    g = torch.Generator().manual_seed(5 if scope == "head" else 6)
-    spec = HeadSpec(n_heads=H, n_kv_heads=HK, head_dim=D, rope=RoPESpec(base=50.0),
-                    family="qknorm", norm_scope=scope, scale=1.7)
-    r = lambda *s: torch.randn(*s, generator=g, dtype=F64)  # noqa: E731
-    shp_q, shp_k = ((D,), (D,)) if scope == "head" else ((H, D), (HK, D))
-    w = HeadWeights(w_q=r(M, H, D), w_k=r(M, HK, D), w_v=r(M, HK, D), b_q=r(H, D) * 0.5,
-                    b_k=r(HK, D) * 0.5, q_norm=1 + 0.3 * r(*shp_q), k_norm=1 + 0.3 * r(*shp_k))
-    return spec, w, r(N, M), r(Q, M)
+    """A QK-norm layer (per head or over all heads) with its bank and ``Q`` candidates."""
+    spec, w, _, xp = _head(scope)
+    xq = torch.randn(Q, M, generator=torch.Generator().manual_seed(5), dtype=F64)
+    return spec, w, xp, xq
 
 
 def _oracle(spec, w, xp, xq):
