@@ -10,6 +10,21 @@ from typing import Any, Iterator
 import pytest
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    """One intra-op thread for a reference test module (small problems: two threads thrash when
+    the 2 cores are shared; ``ROPESTEP_TEST_THREADS`` overrides it), restored afterwards.
+    Autouse where it is imported."""
+    import os
+
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(int(os.environ.get("ROPESTEP_TEST_THREADS") or 1))
+    yield
+    torch.set_num_threads(n)
+
+
 def leaves(x: Any, path: tuple = ()) -> Iterator[tuple[tuple, Any]]:
     """``(path, value)`` of every leaf (a number, bool, string or None) of a JSON tree."""
     if isinstance(x, dict):

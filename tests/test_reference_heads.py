@@ -42,6 +42,7 @@ from ropestep.reference import heads as reference
 from ropestep.report import dumps, load
 from ropestep.verdict import loads
 from reference_walk import agrees, at, has, leaves, missing_from
+from reference_walk import one_torch_thread  # noqa: F401  (autouse, module scope)
 
 pytestmark = pytest.mark.model
 
@@ -124,17 +125,6 @@ def run_case(root: Path, args: list[str]) -> Case:
     t2 = time.perf_counter()
     return Case(argv, root / "heads", root / "raw", load(root / "heads" / "report.json"), ref,
                 {"heads": t1 - t0, "reference": t2 - t1})
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """Small problems: one intra-op thread for the whole module, restored afterwards."""
-    import os
-
-    n = torch.get_num_threads()
-    torch.set_num_threads(int(os.environ.get("ROPESTEP_TEST_THREADS") or 1))
-    yield
-    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="module")

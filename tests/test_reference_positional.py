@@ -37,6 +37,7 @@ from ropestep.reference import positional as reference
 from ropestep.report import dumps, load
 from ropestep.verdict import loads
 from reference_walk import agrees, at, has, leaves
+from reference_walk import one_torch_thread  # noqa: F401  (autouse, module scope)
 from test_reference_validate import TINY_ARGS, build_model
 
 pytestmark = pytest.mark.model
@@ -94,17 +95,6 @@ def compare_positional(report: dict, ref: reference.Positional) -> tuple[list[st
 # ---------------------------------------------------------------------------------------------
 # the run
 # ---------------------------------------------------------------------------------------------
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """One intra-op thread for the module (the 2 cores are shared), restored afterwards."""
-    import os
-
-    n = torch.get_num_threads()
-    torch.set_num_threads(int(os.environ.get("ROPESTEP_TEST_THREADS") or 1))
-    yield
-    torch.set_num_threads(n)
-
-
 def run_case(root: Path, args: list[str]) -> tuple[dict, reference.Positional, dict]:
     """``ropestep validate --dump-raw``, then the reference on the dump: ``(report, reference,
     seconds)``."""

@@ -40,6 +40,7 @@ from ropestep.reference import real_heads as reference
 from ropestep.report import dumps, load
 from ropestep.verdict import loads
 from reference_walk import agrees, at, has, leaves
+from reference_walk import one_torch_thread  # noqa: F401  (autouse, module scope)
 from test_reference_validate import TINY_ARGS, build_model
 
 pytestmark = pytest.mark.model
@@ -81,17 +82,6 @@ class Case:
     report: dict
     ref: reference.Claims
     seconds: dict
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """One intra-op thread for the module (the 2 cores are shared), restored afterwards."""
-    import os
-
-    n = torch.get_num_threads()
-    torch.set_num_threads(int(os.environ.get("ROPESTEP_TEST_THREADS") or 1))
-    yield
-    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="module")

@@ -47,6 +47,7 @@ from ropestep.reference import validate as reference
 from ropestep.report import dumps, load
 from ropestep.verdict import loads
 from reference_walk import missing_from, agrees, save_bpe_tokenizer, leaves, at, has, field_key, matches
+from reference_walk import one_torch_thread  # noqa: F401  (autouse, module scope)
 
 pytestmark = pytest.mark.model
 
@@ -111,18 +112,6 @@ def run_case(root: Path, args: list[str]) -> Case:
     t2 = time.perf_counter()
     return Case(argv, root / "validate", load(root / "validate" / "report.json"), ref,
                 {"validate": t1 - t0, "reference": t2 - t1}, ctx)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """Small problems: one intra-op thread (two threads thrash when the 2 cores are shared;
-    tests/conftest.py's ``one_thread``, for the whole module), restored afterwards."""
-    import os
-
-    n = torch.get_num_threads()
-    torch.set_num_threads(int(os.environ.get("ROPESTEP_TEST_THREADS") or 1))
-    yield
-    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="module")

@@ -950,6 +950,24 @@ def render_markdown(result: dict) -> str:
     lines += ["", f"Peak resident memory: {num(result['peak_rss_mib'], '.0f')} MiB. "
               "`model_forward` is the model's own forward passes over the same tokens "
               "(capture hooks on).", ""]
+    cost = result.get("cost")
+    if cost:
+        rates = cost["matmul_flops_per_s"]
+        lines += ["## Cost", "", "Counted work per phase (docs/protocol.md section 11, `cost`) "
+                  "against this machine's GEMM rate measured in the same run ("
+                  + ", ".join(f"{k} {num(r / 1e9, '.1f')}" for k, r in rates.items())
+                  + " GFLOP/s).", "", "| phase | GFLOP | seconds | GFLOP/s | fraction of GEMM rate |",
+                  "|---|---:|---:|---:|---:|"]
+        lines += [f"| {k} | {num(p['flops'] / 1e9, '.0f')} | {num(p['seconds'], '.1f')} | "
+                  f"{num(p['achieved_flops_per_s'] / 1e9, '.1f')} | "
+                  f"{num(p['fraction_of_matmul'], '.2f')} |" for k, p in cost["phases"].items()]
+        lines += ["", f"Overall: {num(cost['work_seconds'], '.1f')} s of work against a floor of "
+                  f"{num(cost['floor_seconds'], '.1f')} s at the GEMM rate (fraction "
+                  f"{num(cost['fraction_of_matmul'], '.2f')})"
+                  + (f"; {num(cost['work_over_model_forward'], '.1f')}x the model's own "
+                     f"forwards ({num(cost['model_forward_seconds'], '.1f')} s; the floor "
+                     f"{num(cost['floor_over_model_forward'], '.1f')}x)"
+                     if "work_over_model_forward" in cost else "") + ".", ""]
     rep = result["replication_style_descent"]
     lines += ["## Descent as the public replication measured it", "",
               f"Space: {rep['space']}; {rep['query']}. Unit step increases E in "
