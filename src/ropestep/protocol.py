@@ -708,11 +708,12 @@ def exact_sample(n_contexts: int, n_heads: int, prefix_len: int, k: int, seed: i
     return out
 
 
-# which value of each real-head check the report pools and the verdict names
+# why the input-space statements are reported as not defined on QK-norm heads
 NOT_AFFINE = ("the score is not affine in u (QK-norm normalises q and k before RoPE): there is "
               "no input-space Delta M, so this input-space statement is not defined; the "
               "identity, frozen reuse and the step are measured in query space "
               "(docs/math.md section 8)")
+# which value of each real-head check the report pools and the verdict names
 REAL_CHECKS = {
     "conventions": ("q_rel_max", "k_rel_max", "v_rel_max"),
     "positive_coefficients": ("min_c",),
