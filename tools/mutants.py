@@ -69,6 +69,18 @@ IGNORE = shutil.ignore_patterns("__pycache__", "*.pyc", ".hypothesis", ".pytest_
 # validation/: the reports' data only (report.json, report.md), not their figures
 IGNORE_ITEM = {"validation": shutil.ignore_patterns("figures", "*.png")}
 STATUSES = ("killed", "survived", "equivalent", "timeout", "stale", "error")
+# mutmut parts: each mutates its files with its own fast test selection and is reported (and
+# carried over) on its own, so the modules can be run one at a time.  "mutmut" is pyproject's
+# [tool.mutmut] (kernel.py, rope.py); the statistics modules of issue 18 follow.
+_SEL = ["-p", "no:cacheprovider"]
+MUTMUT_PARTS: dict[str, dict[str, Any]] = {
+    "mutmut": {},
+    "mutmut-reuse_stats": {
+        "only_mutate": ["src/ropestep/reuse_stats.py"], "also_copy": ["validation"],
+        "pytest_add_cli_args_test_selection": [
+            "tests/test_reuse_stats.py", "tests/test_report_statistics.py",
+            "tests/test_reference_validate.py", "-k", "not two_real_smollm2 and not planted_bug"]},
+}
 
 
 class BadInput(Exception):
@@ -756,7 +768,8 @@ def make_copy(dest: Path, repo: Path = REPO) -> Path:
     for item in COPY_ITEMS:
         src = repo / item
         if src.is_dir():
-            shutil.copytree(src, dest / item, ignore=IGNORE_ITEM.get(item, IGNORE))
+            shutil.copytree(src, dest / item, ignore=IGNORE_ITEM.get(item, IGNORE),
+                            dirs_exist_ok=True)
         elif src.is_file():
             shutil.copy2(src, dest / item)
         else:
@@ -1080,13 +1093,16 @@ def _mutmut_statuses(copy: Path) -> dict[str, int | None]:
 
 def run_mutmut(*, files: Sequence[str] | None, profile: str, retry_profile: str | None,
                max_children: int, timeout: float, work: Path, log=None,
-               progress=print) -> dict:
-    """mutmut on a temporary copy; survivors retried with ``retry_profile``; returns the part."""
+               progress=print, part: str = "mutmut") -> dict:
+    """mutmut on a copy (``work/part``; a kept ``--work`` copy is reused, so mutmut reruns only
+    the functions that changed and the tests that are new); survivors retried with
+    ``retry_profile``; returns the part."""
     from mutmut.stats import status_by_exit_code
 
     t0 = time.monotonic()
-    copy = make_copy(work / "mutmut")
+    copy = make_copy(work / part)
     cfg = mutmut_config()
+    cfg.update(MUTMUT_PARTS[part])
     if files:
         cfg["only_mutate"] = [f if f.startswith("src/") else f"{PKG}/{f}" for f in files]
     for f in cfg.get("only_mutate", []):
@@ -1382,52 +1398,60 @@ def render_markdown(rep: dict) -> str:
             for r in notes:
                 L.append(f"* `{r['name']}` ({r['status']}): "
                          + _md_escape(r.get("equivalent_reason") or r.get("note") or ""))
-    mm = rep["parts"].get("mutmut")
-    if mm:
-        cfg = mm["config"]
-        L += ["", "## mutmut", ""]
-        if mm.get("carried_over"):
-            L += [f"This section is from an earlier run (carried over unchanged; the command "
-                  f"above did not rerun it): {_provenance(mm['carried_over'])}", ""]
-        L += [f"Files: {', '.join('`' + f + '`' for f in cfg.get('only_mutate', []))}.  Test "
-              f"selection: `{' '.join(cfg.get('pytest_add_cli_args_test_selection', []))}`; "
-              f"mutmut runs, per mutant, the selected tests that call the mutated function.  "
-              f"First pass with hypothesis profile `{mm['hypothesis_profile']}`"
-              + (f"; survivors not explained by `EQUIVALENT` (tools/mutants.py) are retried "
-                 f"with `{mm['retry_profile']}` ({len(mm.get('retried', []))} this run)"
-                 if mm["retry_profile"] else "") + f".  Runtime {mm['runtime_s'] / 60:.1f} min.",
-              "",
-              "First pass (mutmut's own statuses): "
-              + ", ".join(f"{k} {v}" for k, v in mm["first_pass"].items()), "",
-              "| function | mutants | killed | survived | equivalent | timeout | error |",
-              "|---|---|---|---|---|---|---|"]
-        by_fn: dict[str, list] = {}
-        for r in mm["mutants"]:
-            by_fn.setdefault(r["function"], []).append(r)
-        for fn, rs in by_fn.items():
-            s = summarize(rs)
-            L.append(f"| `{fn}` | {s['total']} | {s['killed']} | {s['survived']} | "
-                     f"{s['equivalent']} | {s['timeout']} | {s['error']} |")
-        rest = [r for r in mm["mutants"] if r["status"] != "killed"]
-        L += ["", f"### Mutants not killed ({len(rest)})", "",
-              "| mutant | line | mutation | status | reason |", "|---|---|---|---|---|"]
-        for r in rest:
-            L.append(f"| `{r['name']}` | {r['file'].removeprefix(PKG + '/')}:{r['line']} | "
-                     f"{short_change(r['description'])} | {r['status']} | "
-                     f"{_md_escape(r.get('equivalent_reason') or r.get('note') or '')} |")
-        L += ["", "Killed mutants by their first failing test (the test ids mutmut hands "
-                  "pytest are ordered by a fixed hash seed, so this is the first killer found, "
-                  "not the only one)."]
-        killers: dict[str, int] = {}
-        for r in mm["mutants"]:
-            if r["killed_by"]:
-                k = r["killed_by"].split("[")[0]
-                killers[k] = killers.get(k, 0) + 1
-        if killers:
-            L += ["", "| test (top 15) | mutants |", "|---|---|"]
-            for k, v in sorted(killers.items(), key=lambda kv: -kv[1])[:15]:
-                L.append(f"| `{k}` | {v} |")
+    for pname, mm in rep["parts"].items():
+        if not pname.startswith("mutmut"):
+            continue
+        L += _render_mutmut(pname, mm)
     return "\n".join(L) + "\n"
+
+
+def _render_mutmut(pname: str, mm: dict) -> list[str]:
+    """The section of one mutmut part."""
+    L: list[str] = []
+    cfg = mm["config"]
+    L += ["", f"## {pname}", ""]
+    if mm.get("carried_over"):
+        L += [f"This section is from an earlier run (carried over unchanged; the command "
+              f"above did not rerun it): {_provenance(mm['carried_over'])}", ""]
+    L += [f"Files: {', '.join('`' + f + '`' for f in cfg.get('only_mutate', []))}.  Test "
+          f"selection: `{' '.join(cfg.get('pytest_add_cli_args_test_selection', []))}`; "
+          f"mutmut runs, per mutant, the selected tests that call the mutated function.  "
+          f"First pass with hypothesis profile `{mm['hypothesis_profile']}`"
+          + (f"; survivors not explained by `EQUIVALENT` (tools/mutants.py) are retried "
+             f"with `{mm['retry_profile']}` ({len(mm.get('retried', []))} this run)"
+             if mm["retry_profile"] else "") + f".  Runtime {mm['runtime_s'] / 60:.1f} min.",
+          "",
+          "First pass (mutmut's own statuses): "
+          + ", ".join(f"{k} {v}" for k, v in mm["first_pass"].items()), "",
+          "| function | mutants | killed | survived | equivalent | timeout | error |",
+          "|---|---|---|---|---|---|---|"]
+    by_fn: dict[str, list] = {}
+    for r in mm["mutants"]:
+        by_fn.setdefault(r["function"], []).append(r)
+    for fn, rs in by_fn.items():
+        s = summarize(rs)
+        L.append(f"| `{fn}` | {s['total']} | {s['killed']} | {s['survived']} | "
+                 f"{s['equivalent']} | {s['timeout']} | {s['error']} |")
+    rest = [r for r in mm["mutants"] if r["status"] != "killed"]
+    L += ["", f"### Mutants not killed ({len(rest)})", "",
+          "| mutant | line | mutation | status | reason |", "|---|---|---|---|---|"]
+    for r in rest:
+        L.append(f"| `{r['name']}` | {r['file'].removeprefix(PKG + '/')}:{r['line']} | "
+                 f"{short_change(r['description'])} | {r['status']} | "
+                 f"{_md_escape(r.get('equivalent_reason') or r.get('note') or '')} |")
+    L += ["", "Killed mutants by their first failing test (the test ids mutmut hands "
+              "pytest are ordered by a fixed hash seed, so this is the first killer found, "
+              "not the only one)."]
+    killers: dict[str, int] = {}
+    for r in mm["mutants"]:
+        if r["killed_by"]:
+            k = r["killed_by"].split("[")[0]
+            killers[k] = killers.get(k, 0) + 1
+    if killers:
+        L += ["", "| test (top 15) | mutants |", "|---|---|"]
+        for k, v in sorted(killers.items(), key=lambda kv: -kv[1])[:15]:
+            L.append(f"| `{k}` | {v} |")
+    return L
 
 
 def write_report(rep: dict, out: Path) -> None:
@@ -1462,6 +1486,12 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     ap = _Parser(prog="tools/mutants.py", description=__doc__.split("\n\n")[0])
     ap.add_argument("--semantic", action="store_true", help="run the named semantic mutants")
     ap.add_argument("--mutmut", action="store_true", help="run mutmut (kernel.py, rope.py)")
+    ap.add_argument("--mutmut-part", default=None,
+                    help="comma-separated mutmut parts to run (implies --mutmut; default "
+                         f"'mutmut'): {', '.join(MUTMUT_PARTS)}")
+    ap.add_argument("--work", default=None,
+                    help="keep the copies in this directory and reuse them on the next run "
+                         "(mutmut then retests only changed functions and new tests)")
     ap.add_argument("--out", default=str(REPO / "mutation"),
                     help="report directory (default: mutation/ of the repository)")
     ap.add_argument("--only", default=None,
@@ -1484,6 +1514,13 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     ap.add_argument("--no-report", action="store_true", help="do not write the report")
     ap.add_argument("--keep", action="store_true", help="keep the temporary copies")
     a = ap.parse_args(list(argv))
+    a.parts = [p.strip() for p in (a.mutmut_part or "mutmut").split(",") if p.strip()]
+    bad = [p for p in a.parts if p not in MUTMUT_PARTS]
+    if bad:
+        raise BadInput(f"unknown mutmut part(s): {', '.join(bad)} (known: "
+                       f"{', '.join(MUTMUT_PARTS)})")
+    if a.mutmut_part:
+        a.mutmut = True
     if a.timeout <= 0 or a.mutmut_timeout <= 0 or a.max_children < 1:
         raise BadInput("timeouts must be > 0 and --max-children >= 1")
     return a
@@ -1524,7 +1561,9 @@ def main(argv: Sequence[str] | None = None, mutants: Sequence[Mutant] = MUTANTS)
             a.semantic = a.mutmut = True
         out = Path(a.out)
         out = out if out.is_absolute() else Path.cwd() / out
-        work = Path(tempfile.mkdtemp(prefix="ropestep-mutants-"))
+        work = Path(a.work).resolve() if a.work else \
+            Path(tempfile.mkdtemp(prefix="ropestep-mutants-"))
+        work.mkdir(parents=True, exist_ok=True)
         parts: dict = {}
         # the source state the copies are taken from (the working tree may move during a run)
         vers = versions()
@@ -1542,13 +1581,16 @@ def main(argv: Sequence[str] | None = None, mutants: Sequence[Mutant] = MUTANTS)
                     progress("mutmut:")
                     files = a.mutmut_files.split(",") if a.mutmut_files else None
                     retry = None if a.retry_profile == "none" else a.retry_profile
-                    parts["mutmut"] = run_mutmut(files=files, profile=a.profile,
+                    for part in a.parts:
+                        parts[part] = run_mutmut(files=files, profile=a.profile,
                                                  retry_profile=retry,
                                                  max_children=a.max_children,
                                                  timeout=a.mutmut_timeout, work=work, log=log,
-                                                 progress=progress)
+                                                 progress=progress, part=part)
         finally:
-            if a.keep:
+            if a.work:
+                print(f"copies kept in {work} (--work)", file=sys.stderr)
+            elif a.keep:
                 print(f"temporary copies kept in {work}", file=sys.stderr)
             else:
                 shutil.rmtree(work, ignore_errors=True)

@@ -1,0 +1,57 @@
+"""Every committed ``report.md`` under ``validation/`` is exactly what its command's renderer
+makes of the committed ``report.json`` beside it.
+
+The Markdown is what a reader quotes; the JSON is what the reference recomputations check
+(tests/test_reference_*.py).  This closes the gap between them: a renderer that prints another
+field, another precision, another column order, a wrong label or a figure under another name
+turns this red, and so does a committed report.md edited by hand or left stale after a
+renderer change (rerun the command, or re-render with the module's ``render_markdown``).
+
+The renderer is chosen by the report's ``schema``; a committed report of a schema this test
+does not know is a failure, not a skip.  ``validate`` reports list their figures: they are
+drawn again into a temporary directory (the names the renderer returns must be the ones the
+committed Markdown links).
+"""
+from __future__ import annotations
+
+import difflib
+import json
+from pathlib import Path
+
+import pytest
+
+from ropestep import architectures, atlas, heads, report, train_families
+
+ROOT = Path(__file__).resolve().parents[1]
+REPORTS = sorted(p.parent for p in (ROOT / "validation").glob("*/report.json"))
+
+
+def _validate(result: dict, tmp: Path) -> str:
+    return report.render_markdown(result, report.render_figures(result, tmp / "figures"))
+
+
+RENDERERS = {
+    "ropestep.validate/1": _validate,
+    "ropestep.atlas/1": lambda r, tmp: atlas.render_markdown(r),
+    "ropestep.heads/1": lambda r, tmp: heads.render_markdown(r),
+    "ropestep.train_families/1": lambda r, tmp: train_families.render_markdown(r),
+    "ropestep.architectures/1": lambda r, tmp: architectures.render_markdown(r),
+}
+
+
+def test_every_command_has_a_committed_report():
+    schemas = {json.loads((d / "report.json").read_text(encoding="utf-8")).get("schema")
+               for d in REPORTS}
+    assert schemas == set(RENDERERS), f"committed report schemas {sorted(map(str, schemas))}"
+
+
+@pytest.mark.parametrize("d", REPORTS, ids=[d.name for d in REPORTS])
+def test_committed_markdown_is_the_rendered_json(d, tmp_path):
+    result = json.loads((d / "report.json").read_text(encoding="utf-8"))
+    schema = result.get("schema")
+    assert schema in RENDERERS, f"{d.name}: no renderer known for schema {schema!r}"
+    rendered = RENDERERS[schema](result, tmp_path)
+    committed = (d / "report.md").read_text(encoding="utf-8")
+    diff = "".join(list(difflib.unified_diff(committed.splitlines(True), rendered.splitlines(True),
+                                             "committed", "rendered", n=1))[:40])
+    assert rendered == committed, f"{d.name}/report.md is not its report.json rendered:\n{diff}"
