@@ -80,6 +80,12 @@ MUTMUT_PARTS: dict[str, dict[str, Any]] = {
         "pytest_add_cli_args_test_selection": [
             "tests/test_reuse_stats.py", "tests/test_report_statistics.py",
             "tests/test_reference_validate.py", "-k", "not two_real_smollm2 and not planted_bug"]},
+    "mutmut-report": {
+        "only_mutate": ["src/ropestep/report.py"], "also_copy": ["validation"],
+        "pytest_add_cli_args_test_selection": [
+            "tests/test_committed_reports_render.py", "tests/test_committed_figures.py",
+            "tests/test_report_statistics.py", "tests/test_reports_portable.py",
+            "tests/test_protocol.py"]},
 }
 
 

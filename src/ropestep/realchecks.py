@@ -310,7 +310,13 @@ def _norm_terms(info: models.ModelInfo, conv: Any, spec: HeadSpec | None) -> int
         return int(info.hidden)
     full = conv.norm_scope == "all" or (spec is not None and spec.norm_scope == "all")
     n = info.n_heads * info.head_dim if full else info.head_dim
-    return 2 * int(info.hidden) + n + 8
+    return _qk_norm_count(int(info.hidden), n)
+
+
+def _qk_norm_count(m: int, n: int) -> int:
+    """:func:`_norm_terms` of a QK-norm layer: ``2 m + n + 8`` for ``m`` inputs and a norm over
+    ``n`` features."""
+    return 2 * int(m) + int(n) + 8
 
 
 # ---------------------------------------------------------------------------------------------
@@ -742,7 +748,7 @@ def exact_rows(spec: HeadSpec, weights: HeadWeights, x: Any, positions: Any,
     d = spec.head_dim
     m_first = m
     if not spec.affine:  # the norm's roundings (first order, _norm_terms)
-        m_first = 2 * m + d * (spec.n_heads if spec.norm_scope == "all" else 1) + 8
+        m_first = _qk_norm_count(m, d * (spec.n_heads if spec.norm_scope == "all" else 1))
     out_rows = []
     for h, i in rws:
         q = col[i]
