@@ -290,6 +290,42 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def options_markdown() -> str:
+    """docs/cli.md: every option of every command as :func:`build_parser` defines it (flags,
+    metavar, default, choices, help), independent of argparse's line wrapping.  Regenerate with
+    ``python -m ropestep.cli --options-markdown > docs/cli.md`` (tests/test_cli_docs.py checks
+    that the committed file is current)."""
+    def cell(x: object) -> str:
+        return str(x).replace("|", "\\|").replace("\n", " ")
+
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    L = ["# Command-line options", "",
+         "Generated from the parsers by `python -m ropestep.cli --options-markdown` -- do not "
+         "edit by hand.  Exit status of every command: 0 every check passed, 1 a check failed "
+         "(printed one per line), 2 bad input (one line, no report).", ""]
+    for name, sp in sub.choices.items():
+        L += [f"## `ropestep {name}`", "", cell(sp.description), "",
+              "| option | value | default | help |", "|---|---|---|---|"]
+        for a in sp._actions:
+            if isinstance(a, argparse._HelpAction):
+                continue
+            flags = ", ".join(f"`{o}`" for o in a.option_strings) or f"`{a.dest}`"
+            if a.nargs == 0:
+                value = "(flag)"
+            elif a.choices is not None:
+                value = "{" + ",".join(map(str, a.choices)) + "}"
+            else:
+                value = a.metavar or a.dest.upper()
+                if a.type is not None and a.type not in (str,):
+                    value += f" ({getattr(a.type, '__name__', a.type)})"
+            default = "required" if a.required else (
+                "" if a.default is None or a.default is False else f"`{a.default}`")
+            L.append(f"| {flags} | {cell(value)} | {cell(default)} | {cell(a.help or '')} |")
+        L.append("")
+    return "\n".join(L)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Console entry point (``ropestep = "ropestep.cli:main"``); returns the exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -307,6 +343,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":  # also what torchrun launches: -m ropestep.cli validate ...
+    if sys.argv[1:] == ["--options-markdown"]:
+        sys.stdout.write(options_markdown())
+        sys.exit(0)
     _code = main()
     from .dist import exit_worker, under_launcher
 
