@@ -6,7 +6,7 @@ Two parts, one report (``mutation/report.json`` and ``mutation/report.md``):
 * ``--semantic``: the named mutants of :data:`MUTANTS`.  Each is one wrong formula a careful
   author could plausibly write -- ``(name, file under src/ropestep, exact original snippet,
   replacement, what it models, the tests to run)``.  It is applied to a temporary copy of the
-  repository (``src/``, ``tests/``, ``pyproject.toml`` and the committed reports under
+  repository (``src/``, ``tests/``, ``pyproject.toml``, ``docs/`` and the committed reports under
   ``validation/``, which some tests read as data; the working tree is never modified), and
   the mutant's test subset runs against the copy (``PYTHONPATH=<copy>/src``; a probe checks that
   ``ropestep`` is imported from the copy).  Killed = some test failed (the first failing test id
@@ -63,7 +63,7 @@ TOOLS = Path(__file__).resolve().parent
 PKG = "src/ropestep"
 PLUGIN = "mutants_plugin"  # tools/mutants_plugin.py, loaded with -p inside the copies
 SCHEMA = "ropestep.mutation/1"
-COPY_ITEMS = ("src", "tests", "pyproject.toml", "validation")
+COPY_ITEMS = ("src", "tests", "pyproject.toml", "validation", "docs")
 IGNORE = shutil.ignore_patterns("__pycache__", "*.pyc", ".hypothesis", ".pytest_cache",
                                 "*.egg-info", "mutants")
 # validation/: the reports' data only (report.json, report.md), not their figures
@@ -72,7 +72,6 @@ STATUSES = ("killed", "survived", "equivalent", "timeout", "stale", "error")
 # mutmut parts: each mutates its files with its own fast test selection and is reported (and
 # carried over) on its own, so the modules can be run one at a time.  "mutmut" is pyproject's
 # [tool.mutmut] (kernel.py, rope.py); the statistics modules of issue 18 follow.
-_SEL = ["-p", "no:cacheprovider"]
 MUTMUT_PARTS: dict[str, dict[str, Any]] = {
     "mutmut": {},
     "mutmut-reuse_stats": {
@@ -81,11 +80,26 @@ MUTMUT_PARTS: dict[str, dict[str, Any]] = {
             "tests/test_reuse_stats.py", "tests/test_report_statistics.py",
             "tests/test_reference_validate.py", "-k", "not two_real_smollm2 and not planted_bug"]},
     "mutmut-report": {
-        "only_mutate": ["src/ropestep/report.py"], "also_copy": ["validation"],
+        "only_mutate": ["src/ropestep/report.py"],
         "pytest_add_cli_args_test_selection": [
             "tests/test_committed_reports_render.py", "tests/test_committed_figures.py",
             "tests/test_report_statistics.py", "tests/test_reports_portable.py",
-            "tests/test_protocol.py"]},
+            "tests/test_protocol.py"], "also_copy": ["validation", "docs"]},
+    "mutmut-heads": {
+        "only_mutate": ["src/ropestep/heads.py"], "also_copy": ["validation", "docs"],
+        "pytest_add_cli_args_test_selection": [
+            "tests/test_committed_reports_render.py", "tests/test_committed_figures.py",
+            "tests/test_cli_docs.py", "tests/test_heads.py", "tests/test_reference_heads.py",
+            "tests/models/test_heads_model.py", "tests/test_report_statistics.py",
+            "-k", "not two_real_smollm2 and not planted_bug and not architecture_zoo "
+                  "and not train_families_checkpoints"]},
+    "mutmut-atlas": {
+        "only_mutate": ["src/ropestep/atlas.py"], "also_copy": ["validation", "docs"],
+        "pytest_add_cli_args_test_selection": [
+            "tests/test_committed_reports_render.py", "tests/test_committed_figures.py",
+            "tests/test_cli_docs.py", "tests/test_atlas.py", "tests/test_reference_atlas.py",
+            "tests/test_report_statistics.py", "tests/test_plan.py", "tests/test_resume.py",
+            "-k", "not two_real_smollm2 and not planted_bug"]},
 }
 
 
