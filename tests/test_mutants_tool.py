@@ -563,3 +563,22 @@ def test_kills_rope_tables_contract():
     with pytest.raises(TypeError) as err:
         rope.rope_cos_sin(spec, [0.5])
     assert str(err.value) == "positions must hold integer positions, got dtype float64"
+
+
+def test_tool_restrict_to_functions_fences_the_others(tool, tmp_path):
+    """A part's ``functions``: the other definitions are fenced with mutmut's start/end
+    pragmas on their blank lines (line numbers unchanged), and mutmut mutates only the kept."""
+    from mutmut.__main__ import mutate_file_contents
+
+    src = ("import math\n\n\ndef keep(x):\n    return x + 1\n\n\n# banner\n"
+           "def drop(x):\n    return x * 2\n\n\nclass C:\n    def m(self):\n        return 3 - 1\n")
+    f = tmp_path / "m.py"
+    f.write_text(src)
+    assert tool.restrict_to_functions(f, ["keep"]) == ["drop", "C"]
+    out = f.read_text()
+    assert out.split("\n")[:6] == src.split("\n")[:6]  # keep() where it was
+    assert "# pragma: no mutate start\n# banner\ndef drop" in out
+    mutants = mutate_file_contents("m.py", out, None, None).mutant_names
+    assert mutants and all(n.startswith("x_keep__mutmut_") for n in mutants)
+    with pytest.raises(tool.BadInput, match="no top-level function nope"):
+        tool.restrict_to_functions(f, ["nope"])

@@ -100,6 +100,18 @@ MUTMUT_PARTS: dict[str, dict[str, Any]] = {
             "tests/test_cli_docs.py", "tests/test_atlas.py", "tests/test_reference_atlas.py",
             "tests/test_report_statistics.py", "tests/test_plan.py", "tests/test_resume.py",
             "-k", "not two_real_smollm2 and not planted_bug"]},
+    # protocol.py: its summaries only (what validate's report.json pools and judges), not the
+    # model plumbing around them
+    "mutmut-protocol": {
+        "only_mutate": ["src/ropestep/protocol.py"], "also_copy": ["validation", "docs"],
+        "functions": {"src/ropestep/protocol.py": [
+            "native_ok", "_err", "summarize_real_checks", "_mean", "_r6", "_at", "_tol_text",
+            "row_failures", "row_ok", "_nonfinite_paths", "verdict", "verdict_block",
+            "_nonfinite_contexts", "summarize_layer", "is_paper_setup"]},
+        "pytest_add_cli_args_test_selection": [
+            "tests/test_reference_validate.py", "tests/test_report_statistics.py",
+            "tests/test_verdicts.py", "tests/test_protocol.py",
+            "-k", "not two_real_smollm2 and not planted_bug"]},
 }
 
 
@@ -1024,6 +1036,42 @@ def _toml_value(v: Any) -> str:
     raise TypeError(type(v))
 
 
+def restrict_to_functions(path: Path, keep: Sequence[str]) -> list[str]:
+    """Fence every top-level function and class of ``path`` (a file of a copy) that is not in
+    ``keep`` with mutmut's ``# pragma: no mutate start`` / ``end`` comment lines, so that mutmut
+    mutates only ``keep``.  The comments replace the blank lines around each fenced definition
+    (line numbers stay those of the repository's file; comment lines directly above a definition
+    are fenced with it); a definition without a blank line before and after it is bad input.  Returns the names fenced."""
+    src = path.read_text(encoding="utf-8")
+    lines = src.split("\n")
+    tree = ast.parse(src)
+    defs = [n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef,
+                                                    ast.ClassDef))]
+    missing = sorted(set(keep) - {n.name for n in defs})
+    if missing:
+        raise BadInput(f"{path.name}: no top-level function {', '.join(missing)}")
+    fenced = []
+    for n in defs:
+        if n.name in keep:
+            continue
+        first = min([n.lineno] + [d.lineno for d in n.decorator_list])  # 1-based
+        before, after = first - 2, n.end_lineno  # 0-based indices of the blank lines
+        while before >= 0 and lines[before].lstrip().startswith("#"):  # a banner above
+            before -= 1
+        if before < 0 or lines[before].strip():
+            raise BadInput(f"{path.name}:{first}: no blank line before {n.name} to fence it")
+        lines[before] = "# pragma: no mutate start"
+        if after >= len(lines) or (after == len(lines) - 1 and not lines[after].strip()):
+            lines[after:] = ["# pragma: no mutate end", "pass", ""]
+        elif lines[after].strip():
+            raise BadInput(f"{path.name}:{after + 1}: no blank line after {n.name} to fence it")
+        else:
+            lines[after] = "# pragma: no mutate end"
+        fenced.append(n.name)
+    path.write_text("\n".join(lines), encoding="utf-8")
+    return fenced
+
+
 def write_mutmut_config(copy: Path, cfg: dict) -> None:
     """Replace the copy's ``[tool.mutmut]`` table by ``cfg``."""
     f = copy / "pyproject.toml"
@@ -1123,6 +1171,9 @@ def run_mutmut(*, files: Sequence[str] | None, profile: str, retry_profile: str 
     copy = make_copy(work / part)
     cfg = mutmut_config()
     cfg.update(MUTMUT_PARTS[part])
+    functions = cfg.pop("functions", None)  # {file: [top-level names]}: mutate only these
+    for rel, keep in (functions or {}).items():
+        restrict_to_functions(copy / rel, keep)
     if files:
         cfg["only_mutate"] = [f if f.startswith("src/") else f"{PKG}/{f}" for f in files]
     for f in cfg.get("only_mutate", []):
@@ -1190,6 +1241,8 @@ def run_mutmut(*, files: Sequence[str] | None, profile: str, retry_profile: str 
             row["status"] = "error"
             row["note"] = f"mutmut status {raw!r}"
         rows.append(row)
+    if functions:
+        cfg["functions"] = functions
     return {"tool": "mutmut", "config": {k: v for k, v in cfg.items()},
             "hypothesis_profile": profile, "retry_profile": retry_profile, "retried": retried,
             "first_pass": _count(first_pass.values()), "runtime_s": round(time.monotonic() - t0, 1),
