@@ -182,3 +182,30 @@ def test_exact_kappa_rejects_bad_arguments():
         exact.kappa(E, 0, 0, "maxkey", anchor=3)  # causal: query 0 sees key 0 only
     with pytest.raises(ValueError, match="unknown gauge"):
         exact.kappa(E, 0, 0, "nope")
+
+
+@pytest.mark.parametrize("n_keys_used, Gk", [(3, 1), (40, 1), (5, 3)])
+def test_abs_offset_dots_grouped_equals_the_elementwise_sum(n_keys_used, Gk):
+    """The max-key kappa term ``|q_i| . |k_j - k_{j*_i}|``: grouped by max key (few distinct
+    ``j*``, shared keys), element-wise (many, or per-head keys) -- both against the plain sum.
+    Every term is non-negative, so each side is within ``gamma_d`` relative of the exact value
+    and the two within ``2 gamma_d`` (Higham, Lemma 3.1): ``2 d u`` with ``d u`` << 1."""
+    from ropestep.kernel import abs_offset_dots
+
+    g = torch.Generator().manual_seed(n_keys_used)
+    G, Qc, n, d = 3, 16, 50, 8
+    q = torch.randn(G, Qc, d, generator=g, dtype=torch.float64)
+    k = torch.randn(Gk, n, d, generator=g, dtype=torch.float64)
+    js = torch.randint(0, n_keys_used, (G, Qc), generator=g)
+    got = abs_offset_dots(q, k, js)
+    kk = k.expand(G, n, d)
+    want = torch.empty(G, Qc, n, dtype=torch.float64)
+    for a in range(G):
+        for i in range(Qc):
+            ko = kk[a, int(js[a, i])]
+            for j in range(n):
+                want[a, i, j] = float(sum(abs(float(q[a, i, l])) * abs(float(kk[a, j, l] - ko[l]))
+                                          for l in range(d)))
+    u = torch.finfo(torch.float64).eps / 2
+    assert torch.all((got - want).abs() <= 2 * d * u * want / (1 - d * u))
+    assert torch.all(got[torch.arange(G)[:, None], torch.arange(Qc)[None], js] == 0)
