@@ -276,8 +276,12 @@ def _pass_original(ch, L64, arr, nat, vscale, sc, Ah, q_unrot, anchors, anchor_e
     ca = L64.cos[:, apos] if L64.cos.shape[0] == 1 else L64.cos[hs][:, apos]
     sa = L64.sin[:, apos] if L64.sin.shape[0] == 1 else L64.sin[hs][:, apos]
     q_at_a = apply_rope(uq, ca, sa, lay)  # u_i^T L_a (query space: R(p_a) q_i)
-    ta, ma, ya, pa = T_a[h0:h1, aidx], mu_a[h0:h1, aidx], y_a[h0:h1, aidx], p_a[h0:h1, aidx, :n]
-    y_fr = ma + (q_at_a[:, :, None] @ ta)[:, :, 0]
+    ya, pa = y_a[h0:h1, aidx], p_a[h0:h1, aidx, :n]
+    # mu_a + u_i^T L_a T_a, one product per anchor of the chunk (T_a is not gathered per query)
+    y_fr = torch.empty_like(ya)
+    for a_idx in torch.unique(aidx).tolist():
+        sel = aidx == a_idx
+        y_fr[:, sel] = mu_a[h0:h1, a_idx, None] + q_at_a[:, sel] @ T_a[h0:h1, a_idx]
     not_anchor = (qi != apos)[None].expand(G_, Qc)
     nan = torch.full_like(y_fr[..., 0], math.nan)
 
