@@ -84,7 +84,7 @@ MUTMUT_PARTS: dict[str, dict[str, Any]] = {
         "pytest_add_cli_args_test_selection": [
             "tests/test_committed_reports_render.py", "tests/test_committed_figures.py",
             "tests/test_report_statistics.py", "tests/test_reports_portable.py",
-            "tests/test_protocol.py"], "also_copy": ["validation", "docs"]},
+            "tests/test_report_module.py"], "also_copy": ["validation", "docs"]},
     "mutmut-heads": {
         "only_mutate": ["src/ropestep/heads.py"], "also_copy": ["validation", "docs"],
         "pytest_add_cli_args_test_selection": [

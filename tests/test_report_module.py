@@ -1,0 +1,174 @@
+"""ropestep.report's own pieces, each against values written out by hand: number formatting
+(``fmt``, ``fmt6``), Markdown tables, index ranges, the verdict block, the JSON encoding of
+non-finite numbers, and the atomic directory writers.  The whole renderers are checked against
+the committed reports (tests/test_committed_reports_render.py, tests/test_committed_figures.py)
+and their numbers against the reference (tests/test_reference_validate.py).
+"""
+from __future__ import annotations
+
+import copy
+import json
+import math
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from ropestep import report
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize("x, digits, want", [
+    (None, 3, "—"), (True, 3, "yes"), (np.bool_(False), 3, "no"), (7, 3, "7"),
+    (np.int64(-12), 3, "-12"), (0.0, 3, "0"), (-0.0, 3, "0"), (math.nan, 3, "nan"),
+    (math.inf, 3, "inf"), (-math.inf, 3, "-inf"),
+    (0.5, 3, "0.5"), (0.123456, 3, "0.1235"), (0.001, 3, "0.001"), (0.00099, 3, "9.90e-04"),
+    (1.0, 3, "1"), (12.3456, 3, "12.3"), (9999.0, 3, "1e+04"), (10000.0, 3, "1.00e+04"),
+    (-2.5e-7, 3, "-2.50e-07"), (123456.0, 2, "1.2e+05"), (0.123456, 5, "0.123456"),
+    (3.14159, 5, "3.1416"),
+])
+def test_fmt_by_hand(x, digits, want):
+    assert report.fmt(x, digits) == want
+
+
+@pytest.mark.parametrize("x, want", [
+    (None, "—"), (math.nan, "nan"), (-math.inf, "-inf"), (0.0123456, "0.012346"),
+    (1.5, "1.500000"), (1e-4, "0.000100"), (9.99e-5, "9.990e-05"), (-3e-6, "-3.000e-06"),
+])
+def test_fmt6_by_hand(x, want):
+    assert report.fmt6(x) == want
+
+
+def test_table_aligns_the_first_column_left_and_the_rest_right():
+    assert report._table(["a", "b", "c"], [["1", "2", "3"], ["x", "y", "z"]]) == [
+        "| a | b | c |", "| --- | ---: | ---: |", "| 1 | 2 | 3 |", "| x | y | z |"]
+    assert report._table(["a", "b"], [], align="rl") == ["| a | b |", "| ---: | --- |"]
+
+
+@pytest.mark.parametrize("xs, want", [([], "none"), ([4], "4"), ([0, 1], "0, 1"),
+                                      ([0, 1, 2], "0–2"), ([3, 4, 5, 6], "3–6"),
+                                      ([0, 2, 3], "0, 2, 3")])
+def test_ranges_by_hand(xs, want):
+    assert report._ranges(xs) == want
+
+
+def test_native_tolerance_text():
+    assert report._native_tol({"normwise": 2.5e-6}) == "2.5e-06 max|native| (normwise)"
+    assert report._native_tol({"atol": 1e-5, "rtol": 3e-4}) == "atol/rtol 1e-05/0.0003"
+
+
+def test_verdict_block_lists_at_most_fifty_failures():
+    assert report._verdict_md(None) == []
+    ok = report._verdict_md({"pass": True, "failures": [], "failed_checks": 0})
+    assert ok[0] == "## Verdict: PASS" and ok[-1] == ""
+    f = {"where": "layer 3 head 1", "check": "native", "value": 2.0, "tol": 1.0}
+    bad = report._verdict_md({"pass": False, "failed_checks": 53, "failures": [f] * 53})
+    assert bad[0] == "## Verdict: FAIL"
+    assert bad[2] == "**53 failed check(s)** (`ropestep validate` exits with status 1):"
+    items = [ln for ln in bad if ln.startswith("- `")]
+    assert len(items) == report.VERDICT_LINES == 50
+    assert items[0] == "- `FAIL layer 3 head 1: native = 2 (tolerance 1)`"
+    assert bad[-2] == "- … and 3 more (`report.json`, `verdict.failures`)" and bad[-1] == ""
+    exact = report._verdict_md({"pass": False, "failed_checks": 50, "failures": [f] * 50})
+    assert not any(ln.startswith("- …") for ln in exact)
+
+
+def test_json_keeps_non_finite_numbers_and_full_precision(tmp_path):
+    r = {"a": math.nan, "b": [math.inf, -math.inf, 0.1 + 0.2], "c": np.float64(1 / 3),
+         "d": np.array([1.0, math.nan]), "e": "x", "f": None, "g": np.int64(5)}
+    text = report.dumps(r)
+    assert text.endswith("\n") and text.startswith("{\n \"a\"")
+    raw = json.loads(text)
+    assert raw["a"] == "nan" and raw["b"][:2] == ["inf", "-inf"] and raw["d"][1] == "nan"
+    assert raw["b"][2] == 0.1 + 0.2 and raw["c"] == 1 / 3 and raw["g"] == 5 and raw["f"] is None
+    p = tmp_path / "report.json"
+    p.write_text(text, encoding="utf-8")
+    back = report.load(p)
+    assert math.isnan(back["a"]) and back["b"][:2] == [math.inf, -math.inf]
+    assert back["b"][2] == 0.1 + 0.2 and back["c"] == 1 / 3 and math.isnan(back["d"][1])
+    assert json.loads(report.dumps({"é": 1}))["é"] == 1 and "é" in report.dumps({"é": 1})
+
+
+def test_write_report_dir_is_atomic(tmp_path):
+    out = tmp_path / "sub" / "rep"
+    assert report.write_report_dir(out, lambda d: (d / "a.txt").write_text("1")) == out
+    assert (out / "a.txt").read_text() == "1"
+    assert oct(out.stat().st_mode & 0o777) == oct(0o777 & ~_umask())
+
+    def boom(d):
+        (d / "a.txt").write_text("2")
+        raise RuntimeError("half-written")
+
+    with pytest.raises(RuntimeError):
+        report.write_report_dir(out, boom)
+    assert (out / "a.txt").read_text() == "1"  # the old report stands
+    assert sorted(p.name for p in out.parent.iterdir()) == ["rep"]  # no temporary left
+    report.write_report_dir(out, lambda d: (d / "b.txt").write_text("3"))
+    assert sorted(p.name for p in out.iterdir()) == ["b.txt"]  # replaced, not merged
+    assert sorted(p.name for p in out.parent.iterdir()) == ["rep"]
+    new_parent = tmp_path / "fresh" / "rep"
+    with pytest.raises(RuntimeError):
+        report.write_report_dir(new_parent, boom)
+    assert not (tmp_path / "fresh").exists()  # the parent this call made is removed again
+    f = tmp_path / "file"
+    f.write_text("x")
+    with pytest.raises(FileExistsError, match="exists and is not a directory"):
+        report.write_report_dir(f, lambda d: None)
+
+
+def _umask() -> int:
+    m = os.umask(0)
+    os.umask(m)
+    return m
+
+
+def test_write_rendered_and_fill_rendered(tmp_path):
+    drawn = []
+
+    def figs(result, d):
+        drawn.append(d.name)
+        d.mkdir()
+        (d / "f.png").write_text("png")
+
+    res = {"layers": {"1": {}}, "x": math.nan}
+    out = report.write_rendered(tmp_path / "r", res, lambda r: f"# {len(r)}\n", figs)
+    assert (out / "report.md").read_text() == "# 2\n"
+    assert math.isnan(report.load(out / "report.json")["x"])
+    assert drawn == ["figures"] and (out / "figures" / "f.png").is_file()
+    report.write_rendered(tmp_path / "r2", res, lambda r: "m\n", figs, figures=False)
+    report.write_rendered(tmp_path / "r3", {"layers": {}}, lambda r: "m\n", figs)
+    assert drawn == ["figures"]  # not asked, or nothing to draw
+    assert sorted(p.name for p in (tmp_path / "r2").iterdir()) == ["report.json", "report.md"]
+    d = tmp_path / "own"
+    d.mkdir()
+    report.fill_rendered(d, {"a": 1}, lambda r: "md\n")
+    assert (d / "report.md").read_text() == "md\n"
+    assert json.loads((d / "report.json").read_text()) == {"a": 1}
+
+
+def test_write_report_renders_the_committed_smollm2_run(tmp_path):
+    """write_report: report.json round-trips, report.md is render_markdown with the figure
+    links, figures/ holds the three figures per layer -- and without figures, no links."""
+    r = report.load(ROOT / "validation" / "smollm2" / "report.json")
+    out = report.write_report(r, tmp_path / "v")
+    assert (out / "report.json").read_text() == report.dumps(r)
+    names = sorted(p.name for p in (out / "figures").iterdir())
+    want = sorted(f"{f}_L{L}.png" for L in r["layers"] for f in report.FIGURES)
+    assert names == want
+    md = (out / "report.md").read_text()
+    assert md == (ROOT / "validation" / "smollm2" / "report.md").read_text()
+    plain = report.write_report(r, tmp_path / "nofig", figures=False)
+    assert not (plain / "figures").exists() and "### Figures" not in (
+        plain / "report.md").read_text()
+
+
+def test_non_finite_statistics_print_as_nan_in_the_markdown():
+    r = copy.deepcopy(report.load(ROOT / "validation" / "smollm2" / "report.json"))
+    layer = next(iter(r["layers"]))
+    rec = r["layers"][layer]["reconstruction"]
+    rec["combined"]["prefix"]["max_abs"] = math.nan
+    md = report.render_markdown(r)
+    assert "nan" in md and md != report.render_markdown(
+        report.load(ROOT / "validation" / "smollm2" / "report.json"))
