@@ -506,3 +506,17 @@ def test_summarize_nonfinite_entries_by_hand():
         s = rs.summarize([-math.inf, math.inf])
     assert s["min"] == -math.inf and s["max"] == math.inf and s["nonfinite"] == 2
     assert math.isnan(s["mean"]) and math.isnan(s["median"])
+
+
+def test_relative_error_never_turns_a_non_finite_input_into_a_number():
+    """A NaN error, or a NaN/inf in y or mu, is NaN -- not 0 or inf (found by mutation review:
+    a NaN denominator used to fall into the y = mu branch)."""
+    nan, inf = np.nan, np.inf
+    got = rs.relative_error([[nan, 0.0], [1.0, 0.0], [0.0, 0.0], [1.0, 0.0], [3.0, 4.0],
+                             [inf, 0.0], [0.0, 0.0]],
+                            [[1.0, 1.0], [nan, 0.0], [nan, 0.0], [inf, 0.0], [1.0, 1.0],
+                             [2.0, 0.0], [1.0, 1.0]],
+                            [[1.0, 1.0], [0.0, 0.0], [0.0, 0.0], [inf, 0.0], [1.0, 1.0],
+                             [0.0, 0.0], [1.0, 1.0]])
+    want = [nan, nan, nan, nan, inf, inf, 0.0]
+    np.testing.assert_array_equal(got, want)

@@ -665,6 +665,14 @@ _CPU_NUMPY = ("np.asarray of a CPU tensor is a view of the same float64 values, 
               "arrays give the same tables; layer_head keeps the tables on the CPU even for a "
               "CUDA layer, so no device tensor ever reaches np.asarray here")
 
+_SORT_TIES = ("tied values all get the mean of their positions, so the order a sort gives equal "
+              "values (the only thing a stable kind fixes) does not change any rank; NaNs sort "
+              "last and np.unique groups them either way")
+_ARANGE_INTO_F64 = ("the positions are assigned into the float64 array `ranks` (np.empty), so "
+                    "integer positions 1..n become the same float64 values")
+_NO_DIVIDE = ("no division by zero can happen: the divisor is np.where(den > 0, den, 1.0), "
+              "never 0, so the divide flag is never raised and its setting is irrelevant")
+
 EQUIVALENT: tuple[Equivalence, ...] = (
     # axis aliases: the operand's rank fixes which axis +k names
     Equivalence("kernel._pairwise", "nper = mask.sum(-1)", "mask.sum(+1)",
@@ -788,6 +796,71 @@ EQUIVALENT: tuple[Equivalence, ...] = (
     Equivalence("rope.pair_indices", "(ell, ell + d // 2)", "(ell, ell - d // 2)",
                 "ell - d/2 is negative and wraps to ell + d/2 in every d x d matrix it indexes "
                 "(rope_generator, rope_rotation, rope_phi1)"),
+    # reuse_stats (mutmut-reuse_stats): each checked by a helper against 300-600 random inputs
+    # (0, NaN, +-inf, 1e+-300 included) with identical results
+    Equivalence("reuse_stats.errors_by_anchor", "sq = ((p - t) ** 2).sum(-1)",
+                "sq = ((p - t) ** 2).sum(+1)",
+                "in this branch p and t are both (Q, D) (t was unpacked into Q, D): axis +1 is "
+                "axis -1"),
+    Equivalence("reuse_stats.errors_by_anchor", "return sq.sum(-1) / ((Q - 1) * D)", "sq.sum(+1)",
+                "sq is 2-D (A, Q): axis +1 is axis -1"),
+    Equivalence("reuse_stats.constant_errors", "d2 = np.stack([((t - t[a]) ** 2).sum(-1)",
+                "((t - t[a]) ** 2).sum(+1)",
+                "t - t[a] is 2-D (Q, D) (t was unpacked into Q, D): axis +1 is axis -1"),
+    Equivalence("reuse_stats.constant_errors", "return d2.sum(-1) / ((Q - 1) * D)", "d2.sum(+1)",
+                "d2 is 2-D (A, Q): axis +1 is axis -1"),
+    Equivalence("reuse_stats.constant_errors", "return d2.sum(-1) / ((Q - 1) * D)", "d2.sum(-2)",
+                "d2[a, i] = ||o_a - o_i||^2 is exactly symmetric (the squares of exactly negated "
+                "differences, summed over D in the same order), so its column sums are its row "
+                "sums: the same terms, at most in another summation order"),
+    Equivalence("reuse_stats.ratio_root", "or num < 0 or den < 0:", "or den <= 0:",
+                "den == 0 reaches this line only with a NaN num (the line above returns None "
+                "otherwise), which isnan(num) already turns into NaN"),
+    Equivalence("reuse_stats.relative_error",
+                'with np.errstate(divide="ignore", invalid="ignore"):',
+                'np.errstate(divide=None, invalid="ignore")', _NO_DIVIDE),
+    Equivalence("reuse_stats.relative_error",
+                'with np.errstate(divide="ignore", invalid="ignore"):',
+                'with np.errstate(invalid="ignore"):', _NO_DIVIDE),
+    Equivalence("reuse_stats.relative_error", "num / np.where(den > 0, den, 1.0)",
+                "np.where(den >= 0, den, 1.0)",
+                "the den == 0 entries now divide by 0, but the outer np.where(den > 0, ...) "
+                "discards those quotients and the errstate silences their warnings: the same "
+                "values"),
+    Equivalence("reuse_stats.relative_error", "num / np.where(den > 0, den, 1.0)",
+                "np.where(den > 0, den, 2.0)",
+                "the placeholder divisor only fills the entries with den > 0 false, whose "
+                "quotients the outer np.where(den > 0, ...) discards"),
+    Equivalence("reuse_stats.input_distance", "np.linalg.norm(x - x[anchor:anchor + 1], axis=-1)",
+                "axis=+1)",
+                "u is (Q, m) (the docstring; the anchor slice indexes axis 0, and the one caller "
+                "passes the (Q, m) query inputs): axis +1 is axis -1"),
+    Equivalence("reuse_stats.normwise_agreement",
+                "den = float(np.abs(m).max()) if m.size else 0.0", "if m.size else 1.0",
+                "with no entries num is 0.0 too, and 0.0 / 1.0 = 0.0 is what den = 0 returns "
+                "(num)"),
+    Equivalence("reuse_stats.rankdata", 'order = np.argsort(a, kind="mergesort")', "kind=None",
+                _SORT_TIES),
+    Equivalence("reuse_stats.rankdata", 'order = np.argsort(a, kind="mergesort")',
+                "order = np.argsort(a, )", _SORT_TIES),
+    Equivalence("reuse_stats.rankdata", 'order = np.argsort(a, kind="mergesort")',
+                'kind="MERGESORT"', "numpy accepts the upper-case kind; and " + _SORT_TIES),
+    Equivalence("reuse_stats.rankdata",
+                "ranks[order] = np.arange(1, a.size + 1, dtype=np.float64)",
+                "dtype=None)", _ARANGE_INTO_F64),
+    Equivalence("reuse_stats.rankdata",
+                "ranks[order] = np.arange(1, a.size + 1, dtype=np.float64)",
+                "np.arange(1, a.size + 1, )", _ARANGE_INTO_F64),
+    Equivalence("reuse_stats.spearman", "if den > 0 else None", "if den > 1 else None",
+                "with n >= 3 pairs (None above otherwise) a non-constant vector of average ranks "
+                "has sum of squared deviations >= n(n-1)/4 >= 1.5, computed exactly (ranks are "
+                "halves, their mean (n+1)/2): den is 0 or >= 1.5"),
+    Equivalence("reuse_stats.binned",
+                'idx = np.clip(np.searchsorted(edges, a, side="right") - 1, 0, n_bins - 1)',
+                'side="right") - 1, None, n_bins - 1)',
+                "edges[0] is the 0-quantile, exactly min(a) (interpolation weight 0), so "
+                "searchsorted(side='right') >= 1 and idx >= 0 before the clip (only when "
+                "max(a) - min(a) overflows are the edges NaN/inf)"),
 )
 
 

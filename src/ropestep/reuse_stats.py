@@ -182,13 +182,15 @@ def heads_beating_constant(per_head: Sequence[Mapping[str, Any]], predictor: str
 # calibration
 # ---------------------------------------------------------------------------------------------
 def relative_error(error: Any, y: Any, mu: Any) -> np.ndarray:
-    """``||e_i|| / ||y_i - mu_i||`` row-wise over the last axis (inf where ``y_i = mu_i``)."""
+    """``||e_i|| / ||y_i - mu_i||`` row-wise over the last axis: inf where ``y_i = mu_i`` and
+    ``e_i != 0``, 0 where both vanish, NaN where the error is NaN or the denominator is not
+    finite (a NaN or inf in ``y`` or ``mu``) -- never a number that hides a non-finite input."""
     e, yy, m = _f64(error), _f64(y), _f64(mu)
     num = np.linalg.norm(e, axis=-1)
-    den = np.linalg.norm(yy - m, axis=-1)
     with np.errstate(divide="ignore", invalid="ignore"):
-        return np.where(den > 0, num / np.where(den > 0, den, 1.0),
-                        np.where(num > 0, np.inf, 0.0))
+        den = np.linalg.norm(yy - m, axis=-1)
+        q = np.where(den > 0, num / np.where(den > 0, den, 1.0), np.where(num > 0, np.inf, 0.0))
+    return np.where(np.isnan(num) | ~np.isfinite(den), np.nan, q)
 
 
 def score_distance(s: Any, anchor: int = 0) -> np.ndarray:

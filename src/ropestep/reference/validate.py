@@ -566,11 +566,12 @@ def calibration_stats(rel: np.ndarray, distances: dict[str, np.ndarray]) -> dict
 
 def relative_errors(e: np.ndarray, dev: np.ndarray) -> np.ndarray:
     """``|e_i| / |dev_i|`` row by row (Euclidean); inf where ``dev_i = 0 != e_i``, 0 where both
-    are 0."""
+    are 0, NaN where ``e_i`` holds a NaN or ``dev_i`` a NaN or inf."""
     num, den = np.linalg.norm(e, axis=-1), np.linalg.norm(dev, axis=-1)
     out = np.where(num > 0, np.inf, 0.0)
     nz = den > 0
     out[nz] = num[nz] / den[nz]
+    out[np.isnan(num) | ~np.isfinite(den)] = np.nan
     return out
 
 
