@@ -172,3 +172,143 @@ def test_non_finite_statistics_print_as_nan_in_the_markdown():
     md = report.render_markdown(r)
     assert "nan" in md and md != report.render_markdown(
         report.load(ROOT / "validation" / "smollm2" / "report.json"))
+
+
+# ---------------------------------------------------------------------------------------------
+# render_markdown's branches the committed runs do not reach
+# ---------------------------------------------------------------------------------------------
+def _smollm2() -> dict:
+    return report.load(ROOT / "validation" / "smollm2" / "report.json")
+
+
+def test_run_section_branches():
+    from ropestep.protocol import PAPER
+
+    r = _smollm2()
+    base = report.render_markdown(r)
+    assert "## Run" in base and f"sha256 `{r['corpus']['sha256']}`" in base
+    assert f"sha256 `{r['model']['gguf_sha256']}`" in base and "revision `" not in base
+    assert "This is the paper's setup" not in base
+    v = copy.deepcopy(r)
+    v["command"] = None
+    v["corpus"]["revision"] = "abc123"
+    v["corpus"].pop("sha256")
+    v["model"].pop("gguf_sha256")
+    v["protocol"]["layers"] = [3, 29]
+    v["layers"] = {"3": r["layers"]["29"], "29": r["layers"]["29"]}
+    md = report.render_markdown(v)
+    assert "- Command: `(API call)`" in md
+    assert "revision `abc123`)" in md and ", sha256 `" not in md.split("- Corpus:")[1].split("\n")[0]
+    assert "(GGUF `" not in md
+    assert md.splitlines()[0].endswith("layer(s) 3, 29")
+    p = copy.deepcopy(r)
+    p["paper"] = PAPER
+    mdp = report.render_markdown(p)
+    assert "This is the paper's setup: its numbers (docs/protocol.md) stand beside ours." in mdp
+    assert mdp != base
+
+
+# ---------------------------------------------------------------------------------------------
+# the figure functions on small synthetic layers
+# ---------------------------------------------------------------------------------------------
+def test_pos_and_num():
+    assert report._pos(0.0) == 1e-40 and report._pos(-3.0) == 1e-40 and report._pos(2.5) == 2.5
+    assert math.isnan(report._pos(math.nan)) and report._pos(math.inf) == math.inf
+    assert math.isnan(report._num(None)) and report._num("inf") == math.inf
+    assert report._num(3) == 3.0
+
+
+@pytest.fixture()
+def plt():
+    pytest.importorskip("matplotlib")
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+
+    yield plt
+    plt.close("all")
+
+
+def _rec(heads):
+    row = lambda h, v: {"head": h, "prefix": {"max_abs": v}, "full": {"max_abs": 2 * v},
+                        "native": {"max_abs": 0.0}}
+    return {"reconstruction": {"per_head": [row(h, 1e-15 * (h + 1)) for h in heads],
+                               "combined": row("x", 1e-14)}}
+
+
+def test_reconstruction_figure_small(plt):
+    fig = report._fig_reconstruction(plt, 7, _rec([0, 1]))
+    ax = fig.axes[0]
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["0", "1", "all"]
+    assert list(fig.get_size_inches()) == [6.0, 4.0]  # max(6, 0.6 * 3 + 3)
+    bars = [p.get_height() for p in ax.patches]
+    assert bars[:3] == [1e-15, 2e-15, 1e-14] and bars[-3:] == [1e-40] * 3  # 0 drawn at 1e-40
+    assert ax.get_legend().get_texts()[0].get_fontsize() == 8
+    assert ax.get_title() == "Layer 7: reconstruction error per head"
+
+
+def _points(n_heads):
+    heads, rel, sc, tv, inp = [], [], [], [], []
+    for h in range(n_heads):
+        heads += [h] * 4
+        rel += [0.0, 0.5, math.nan, 0.25]
+        sc += [1.0, 0.0, 2.0, 3.0]
+        tv += [0.1, 0.2, 0.3, 0.4]
+        inp += [1.0, 2.0, 3.0, 4.0]
+    return {"calibration": {"points": {"head": heads, "rel": rel, "score_sup": sc, "tv": tv,
+                                       "input": inp}}}
+
+
+def test_reuse_figure_filters_and_legend(plt):
+    fig = report._fig_reuse(plt, 2, _points(3))
+    ax0, ax1, ax2 = fig.axes
+    # rel = 0, NaN and score distance 0 are not drawn on log axes: one point of four per head
+    assert [len(c.get_offsets()) for c in ax0.collections] == [1, 1, 1]
+    assert [len(c.get_offsets()) for c in ax1.collections] == [2, 2, 2]
+    assert ax0.get_shared_y_axes().joined(ax0, ax2)
+    leg = ax2.get_legend()
+    assert [t.get_text() for t in leg.get_texts()] == ["h0", "h1", "h2"]
+    assert leg.get_texts()[0].get_fontsize() == 6 and leg._ncols == 2 and leg.markerscale == 2
+    cols = [tuple(c.get_facecolors()[0]) for c in ax0.collections]
+    assert cols == [tuple(plt.get_cmap("tab20")(k)[:3]) + (0.6,) for k in range(3)]
+    assert [tuple(c.get_sizes()) for c in ax0.collections] == [(6.0,)] * 3
+    many = report._fig_reuse(plt, 2, _points(21))
+    assert many.axes[2].get_legend() is None  # more than 20 heads: no legend
+    # colours cycle through tab20: the 21st head takes the first colour again
+    assert tuple(many.axes[0].collections[20].get_facecolors()[0][:3]) == tuple(
+        plt.get_cmap("tab20")(0)[:3])
+    twenty = report._fig_reuse(plt, 2, _points(20))
+    assert twenty.axes[2].get_legend() is not None
+    assert tuple(twenty.axes[0].collections[19].get_facecolors()[0][:3]) == tuple(
+        plt.get_cmap("tab20")(19)[:3])
+
+
+def test_lambda_figure_in_query_space_and_small(plt):
+    pts = {"head": [0, 0, 1, 1], "lam_max": [0.5, 3.0, 0.0, math.nan]}
+    fig = report._fig_lam(plt, 4, {"descent": {"points": pts}})
+    ax = fig.axes[0]
+    assert ax.get_ylabel().startswith("λ_max(H_i), input space")
+    assert list(fig.get_size_inches()) == [6.0, 4.0]
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["0", "1"]
+    meds = [ln for ln in ax.get_lines() if ln.get_color() != "crimson"]
+    ydata = sorted(float(v) for ln in meds for v in ln.get_ydata())
+    assert min(ydata) == 1e-12  # lambda = 0 clipped to 1e-12 on the log axis
+    assert ax.get_legend().get_texts()[0].get_fontsize() == 8
+    fliers = [ln for ln in ax.get_lines() if ln.get_marker() not in ("None", None, "")]
+    assert fliers  # showfliers=True draws the flier markers
+    q = report._fig_lam(plt, 4, {"descent": {"not_defined": "x", "points": {"head": [], "lam_max": []},
+                                             "query_space": {"points": pts}}})
+    assert q.axes[0].get_ylabel().startswith("λ_max(H_i), query space")
+
+
+def test_render_figures_writes_pngs_at_110_dpi(tmp_path):
+    pytest.importorskip("matplotlib")
+    from PIL import Image
+
+    r = _smollm2()
+    figs = report.render_figures(r, tmp_path / "a" / "figures")
+    layer = next(iter(r["layers"]))
+    assert figs == {layer: [f"figures/{f}_L{layer}.png" for f in report.FIGURES]}
+    with Image.open(tmp_path / "a" / "figures" / f"lam_max_L{layer}.png") as im:
+        assert im.info.get("dpi") and round(im.info["dpi"][0]) == 110
