@@ -114,8 +114,31 @@ def test_write_report_dir_is_atomic(tmp_path):
     assert not (tmp_path / "fresh").exists()  # the parent this call made is removed again
     f = tmp_path / "file"
     f.write_text("x")
-    with pytest.raises(FileExistsError, match="exists and is not a directory"):
+    with pytest.raises(FileExistsError) as err:
         report.write_report_dir(f, lambda d: None)
+    assert str(err.value) == f"--out {str(f)!r} exists and is not a directory"
+
+
+def test_write_report_dir_works_beside_out(tmp_path, monkeypatch):
+    """The new report is filled in a hidden sibling (same file system: the renames are atomic)
+    and the old one is moved to a hidden sibling before it is removed; missing parents are
+    made, several levels deep."""
+    out = tmp_path / "a" / "b" / "rep"
+    seen = []
+    report.write_report_dir(out, lambda d: seen.append(d))
+    assert seen[0].parent == out.parent and seen[0].name.startswith(".rep.tmp-")
+    renames = []
+    real = os.rename
+    monkeypatch.setattr(report.os, "rename", lambda a, b: (renames.append((Path(a), Path(b))),
+                                                           real(a, b))[1])
+    report.write_report_dir(out, lambda d: seen.append(d))
+    (old_from, old_to), (new_from, new_to) = renames
+    assert old_from == out and old_to.parent == out.parent and old_to.name.startswith(".rep.old-")
+    assert new_from == seen[1] and new_to == out and not old_to.exists()
+    rel = Path("rel-rep")
+    monkeypatch.chdir(tmp_path)
+    report.write_report_dir(rel, lambda d: (d / "x").write_text("1"))
+    assert (tmp_path / "rel-rep" / "x").read_text() == "1"
 
 
 def _umask() -> int:

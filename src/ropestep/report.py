@@ -517,7 +517,7 @@ def write_report_dir(out: str | os.PathLike, fill: Callable[[Path], None]) -> Pa
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise FileExistsError(f"--out {str(out)!r} exists and is not a directory")
-    parent = out.parent if str(out.parent) else Path(".")
+    parent = out.parent  # Path("rep").parent is Path(".")
     made_parent = not parent.exists()
     parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=parent))
