@@ -59,3 +59,26 @@ def test_committed_markdown_is_its_json_rendered(d, tmp_path):
     diff = "".join(list(difflib.unified_diff(committed.splitlines(True), rendered.splitlines(True),
                                              "committed", "rendered", n=1))[:40])
     assert rendered == committed, f"{d.name}/report.md is not its report.json rendered:\n{diff}"
+
+
+def test_the_paper_setup_branch_against_its_golden_page():
+    """validate prints the paper's numbers beside ours only on the paper's own setup, which no
+    committed run is (Qwen2.5-0.5B, layer 23, WikiText-2).  The committed SmolLM2 result with
+    the paper's numbers attached renders to ``tests/golden/validate_paper_setup.md`` (reviewed
+    once: every paper column reads docs/protocol.md's values).  Rewrite it after a deliberate
+    change with ``ROPESTEP_REGEN_GOLDEN=1``."""
+    import os
+
+    from ropestep.protocol import PAPER
+
+    result = json.loads((ROOT / "validation" / "smollm2" / "report.json").read_text(
+        encoding="utf-8"))
+    result["paper"] = PAPER
+    rendered = _validate(result, Path("."))
+    golden = ROOT / "tests" / "golden" / "validate_paper_setup.md"
+    if os.environ.get("ROPESTEP_REGEN_GOLDEN"):
+        golden.write_text(rendered, encoding="utf-8")
+    assert "This is the paper's setup" in rendered
+    for v in (PAPER["reconstruction"]["rows_total"],):
+        assert str(v) in rendered
+    assert rendered == golden.read_text(encoding="utf-8")
