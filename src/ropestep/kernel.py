@@ -202,7 +202,8 @@ def max_key(s: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return s.masked_fill(~mask[None], -math.inf).argmax(-1)
 
 
-def abs_offset_dots(q: torch.Tensor, k: torch.Tensor, js: torch.Tensor) -> torch.Tensor:
+def abs_offset_dots(q: torch.Tensor, k: torch.Tensor, js: torch.Tensor,
+                    koff: torch.Tensor | None = None) -> torch.Tensor:
     """``|q_i| . |k~_j - k~_{j*_i}|`` for every row ``i`` of ``q (G, Qc, d)`` and key ``j`` of
     ``k (Gk, n, d)`` (``Gk`` 1 or ``G``), offset by the row's max key ``js (G, Qc)``: the max-key
     gauge's term of kappa (docs/math.md section 9), ``(G, Qc, n)``.
@@ -211,7 +212,8 @@ def abs_offset_dots(q: torch.Tensor, k: torch.Tensor, js: torch.Tensor) -> torch
     rows are grouped by ``j*`` and each group is one product ``|Q_u| |K~ - k~_u|^T``, so the
     element-wise work is ``n d`` per distinct max key instead of per row (on Qwen2.5's layers
     about 40 distinct keys for 7 heads x 32 queries).  Where most rows have a max key of their
-    own, or the keys are per head, the sum is taken element-wise."""
+    own, or the keys are per head, the sum is taken element-wise (``koff (G, Qc, d)``, the
+    offset keys ``k~_{j*}``, when the caller has gathered them already)."""
     G, Qc, d = q.shape
     n = k.shape[-2]
     qa = q.abs()
@@ -225,7 +227,8 @@ def abs_offset_dots(q: torch.Tensor, k: torch.Tensor, js: torch.Tensor) -> torch
             for u, sel in zip(uniq.tolist(), torch.split(order, torch.bincount(inv).tolist())):
                 out[sel] = rows[sel] @ (k[0] - k[0, u]).abs().T
             return out.view(G, Qc, n)
-    koff = torch.gather(k.expand(G, n, d), 1, js[..., None].expand(G, Qc, d))
+    if koff is None:
+        koff = torch.gather(k.expand(G, n, d), 1, js[..., None].expand(G, Qc, d))
     return (qa[:, :, None, :] * (k[:, None] - koff[:, :, None]).abs()).sum(-1)
 
 
@@ -428,7 +431,7 @@ def _gauge(out, q, k, kh, vh, vbar, kbar, vq, sm, mask, gauge, beta, softcap, si
         if koff is None:
             absdot = q.abs() @ k.abs().transpose(-1, -2)  # (G, Qc, n)
         else:
-            absdot = abs_offset_dots(q, k, js)
+            absdot = abs_offset_dots(q, k, js, koff)
         if bc is not None:
             absdot = absdot + bc.abs()
         if sig is not None and gauge == "free":
