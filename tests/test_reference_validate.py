@@ -1182,7 +1182,7 @@ def test_a_failing_check_reaches_both_verdicts(tiny, name):
         [(f["where"], f["check"]) for f in want["failures"]]
 
 
-def test_a_verdict_ignoring_a_failing_check_is_caught(tiny, monkeypatch):
+def test_a_planted_bug_in_the_verdict_ignoring_a_failing_check_is_caught(tiny, monkeypatch):
     """Planted: the verdict skips the reuse bound's violations.  The tiny data violate no
     bound, so the bug shows only with a violation planted (as above)."""
     mod = mutated("protocol", "                if bv:\n", "                if bv and False:\n",

@@ -335,3 +335,306 @@ def test_render_figures_writes_pngs_at_110_dpi(tmp_path):
     assert figs == {layer: [f"figures/{f}_L{layer}.png" for f in report.FIGURES]}
     with Image.open(tmp_path / "a" / "figures" / f"lam_max_L{layer}.png") as im:
         assert im.info.get("dpi") and round(im.info["dpi"][0]) == 110
+
+
+# ---------------------------------------------------------------------------------------------
+# branches of _layer_md, render_markdown's run section, _pos, the figures and the writers that
+# the committed runs leave alone (each expected line written out by hand from the input)
+# ---------------------------------------------------------------------------------------------
+def _one_layer() -> tuple[dict, int, dict]:
+    r = _smollm2()
+    layer = next(iter(r["layers"]))
+    return r, int(layer), r["layers"][layer]
+
+
+def test_fast_table_error_row_empty_heads_and_missing_kappa():
+    """An entry that failed prints its error (first 60 characters) and empty cells, and the
+    entries after it still print; no heads gives '—' for the worst head, no kappa an empty
+    cell."""
+    r, layer, lr = _one_layer()
+    msg = "abcdefghijklmnopqrstuvwxyz" * 2 + "ABCDEFGHIJKLMNOPQR"  # 70 characters
+    normal = {"combined": {"vs_float64": {"mse": 1e-10, "max_abs": 0.5},
+                           "vs_native": {"mse": 2.0, "max_abs": 12.3456}},
+              "heads": [{"vs_float64": {"max_abs": 0.25}}, {"vs_float64": {"max_abs": 0.125}}],
+              "kappa": {"median": 5.0, "max": 270.0}}
+    lr["fast"] = {"float32/original": {"error": msg},
+                  "float32/maxkey": normal,
+                  "bfloat16/original": dict(normal, heads=[]),
+                  "bfloat16/maxkey": {k: v for k, v in normal.items() if k != "kappa"}}
+    L = report._layer_md(layer, lr, r, None, [])
+    i = L.index("| dtype/gauge | vs float64 MSE | vs float64 max | vs native MSE | vs native max "
+                "| worst head vs float64 max | kappa median / max |")
+    assert L[i + 1:i + 7] == [
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| float32/original | error: abcdefghijklmnopqrstuvwxyzabcdefghijklmnopqrstuvwxyzABCDEFGH"
+        " |  |  |  |  |  |",
+        "| float32/maxkey | 1.00e-10 | 0.5 | 2 | 12.3 | 0.25 | 5 / 270 |",
+        "| bfloat16/original | 1.00e-10 | 0.5 | 2 | 12.3 | — | 5 / 270 |",
+        "| bfloat16/maxkey | 1.00e-10 | 0.5 | 2 | 12.3 | 0.25 |  |",
+        ""]
+
+
+def test_heads_below_constant_line_without_range_and_with_nonfinite_heads():
+    r, layer, lr = _one_layer()
+    lr["reuse"]["heads_below_constant"] = {"rule": "rule R", "count": 2, "of": 9,
+                                           "range": None, "nonfinite": [4, 7]}
+    L = report._layer_md(layer, lr, r, None, [])
+    i = L.index("Heads whose frozen matrix beats their own constant-anchor output (rule R): "
+                "**2 of 9**; non-finite: [4, 7].")
+    assert L[i + 1] == ""
+    lr["reuse"]["heads_below_constant"].update(range=[0.5, 0.75], nonfinite=[])
+    L = report._layer_md(layer, lr, r, None, [])
+    assert ("Heads whose frozen matrix beats their own constant-anchor output (rule R): "
+            "**2 of 9**, all-anchor rRMSE 0.5–0.75.") in L
+
+
+_IN_HEADS = [{"head": 0, "lam_max": {"median": 101.0, "max": 317.0}, "frac_lam_gt_2": 1.0,
+              "frac_rows_increase": 0.875, "increases": True},
+             {"head": 1, "lam_max": {"median": 4.5, "max": 26.0}, "frac_lam_gt_2": 0.5,
+              "frac_rows_increase": 0.25, "increases": False}]
+_Q_HEADS = [{"head": 0, "lam_max": {"median": 15.0, "max": 46.0}, "frac_rows_increase": 0.125,
+             "increases": True},
+            {"head": 1, "lam_max": {"median": 0.5, "max": 1.0}, "frac_rows_increase": 0.0,
+             "increases": False}]
+_DESCENT_INTRO = ["### Descent check", "",
+                  "Each parametrisation is reported under its own label; numbers of one space "
+                  "are never set beside the other's.", ""]
+_IN_HEAD = ("| Head | input λ_max median | input λ_max max | input frac λ>2 | input frac rows E↑ "
+            "| input E increases")
+_Q_HEAD = "query λ_max median | query frac rows E↑ | query E increases |"
+
+
+def test_descent_table_with_both_spaces_and_with_input_space_only():
+    r, layer, lr = _one_layer()
+    dsc = lr["descent"]
+    dsc["per_head"] = copy.deepcopy(_IN_HEADS)
+    dsc["query_space"]["per_head"] = copy.deepcopy(_Q_HEADS)
+    L = report._layer_md(layer, lr, r, None, [])
+    i = L.index(_IN_HEAD + " | " + _Q_HEAD)
+    assert L[i + 1:i + 5] == ["| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+                              "| 0 | 101 | 317 | 1 | 0.875 | yes | 15 | 0.125 | yes |",
+                              "| 1 | 4.5 | 26 | 0.5 | 0.25 | no | 0.5 | 0 | no |", ""]
+    del dsc["query_space"]  # no query space: the input columns alone
+    L = report._layer_md(layer, lr, r, None, [])
+    assert not any(ln.startswith("**Query space**") for ln in L)
+    i = L.index(_IN_HEAD + " |")
+    assert L[i + 1:i + 5] == ["| --- | ---: | ---: | ---: | ---: | ---: |",
+                              "| 0 | 101 | 317 | 1 | 0.875 | yes |",
+                              "| 1 | 4.5 | 26 | 0.5 | 0.25 | no |", ""]
+
+
+def test_descent_section_when_the_input_space_is_not_defined():
+    r, layer, lr = _one_layer()
+    lr["descent"] = {"not_defined": "the model has no input-space form",
+                     "query_space": {"heads_increasing": 1, "heads": 2,
+                                     "fraction_rows_increasing": 0.0625,
+                                     "lam_max": {"median": 1.5, "max": 46.0},
+                                     "per_head": copy.deepcopy(_Q_HEADS)}}
+    L = report._layer_md(layer, lr, r, None, [])
+    assert L[:3] == [f"## Layer {layer}", "", "### Reconstruction"]  # what comes before stays
+    i = L.index("### Descent check")
+    assert L[i:i + 13] == _DESCENT_INTRO + [
+        "**Input space**: not defined here — the model has no input-space form.", "",
+        "**Query space** (variable: the rotated query; features `scale k~_j`), same rows: "
+        "**1 of 2 heads** increase E; rows increasing 0.0625; lambda_max median 1.5, max 46.",
+        "",
+        "| Head | " + _Q_HEAD,
+        "| --- | ---: | ---: | ---: |",
+        "| 0 | 15 | 0.125 | yes |",
+        "| 1 | 0.5 | 0 | no |",
+        ""]
+
+
+_CONVENTIONS = ("model's own q/k/v projections, `apply_rotary_pos_emb`, `repeat_kv` vs "
+                "ropestep's head description (max rel. q / k / v)")
+
+
+def test_real_heads_claims_not_defined_failing_and_passing():
+    r, layer, lr = _one_layer()
+    lr["real_heads"] = {"not_defined": {"conventions": "no rotary embedding"},
+                        "positive_coefficients": {"contexts": 3, "ok": False, "min_c": -0.25},
+                        "rank": {"contexts": 2, "ok": True, "rank_max": 64.0}}
+    L = report._layer_md(layer, lr, r, None, [])
+    i = L.index("| check | what | worst value(s) | contexts | pass |")
+    assert L[i + 1:i + 6] == [
+        "| --- | ---: | ---: | ---: | ---: |",
+        f"| `conventions` | {_CONVENTIONS} | not defined: no rotary embedding |  |  |",
+        "| `positive_coefficients` | min c_ij over every head, candidate and key (> 0) | -0.25 "
+        "| 3 | **NO** |",
+        "| `rank` | max numerical rank of ΔM_i W_o,h (≤ d) | 64 | 2 | yes |",
+        ""]
+    lr["real_heads"] = {"rank": {"contexts": 2, "ok": True, "rank_max": 64.0}}  # no not_defined
+    L = report._layer_md(layer, lr, r, None, [])
+    i = L.index("| check | what | worst value(s) | contexts | pass |")
+    assert L[i + 1:i + 4] == ["| --- | ---: | ---: | ---: | ---: |",
+                              "| `rank` | max numerical rank of ΔM_i W_o,h (≤ d) | 64 | 2 | yes |",
+                              ""]
+
+
+def _line(md: str, prefix: str) -> str:
+    (ln,) = [ln for ln in md.splitlines() if ln.startswith(prefix)]
+    return ln
+
+
+_MODEL_TAIL = ("; llama, 30 layers, 9 heads on 3 KV heads, head_dim 64, hidden 576, rope_theta "
+               "100000, q/k/v bias no; loaded in float32")
+
+
+def test_run_section_lines_with_every_optional_field():
+    v = _smollm2()
+    v["model"].update(gguf_file="m.gguf", gguf_sha256="feed" * 4, revision="abc123")
+    v["corpus"].update(sha256="c0ffee", revision="r9")
+    v["timings"] = {"total_s": 10.0, "model_load_s": 1.5, "capture_s": 2.0, "evaluate_s": 3.0,
+                    "model_forward_s": 4.0, "work_s": 8.0, "work_over_model_forward": 2.0}
+    v["hardware"].update(gpu_name="H200", cpu_capability="AVX2",
+                         numeric_env={"MKL_CBWR": "COMPATIBLE", "OMP_NUM_THREADS": "",
+                                      "CUBLAS_WORKSPACE_CONFIG": ":4096:8"})
+    md = report.render_markdown(v)
+    assert _line(md, "- Model:") == (
+        "- Model: `smollm2` → `SmolLM2-135M-Instruct.Q4_1.gguf` (GGUF `m.gguf`, sha256 "
+        "`feedfeedfeedfeed`), revision `abc123`" + _MODEL_TAIL)
+    assert _line(md, "- Corpus:") == (
+        "- Corpus: `default` (bundled, 79 articles, sha256 `c0ffee`, revision `r9`)")
+    assert _line(md, "- Runtime:") == (
+        "- Runtime: 10.0 s total (model load 1.5 s, capture 2.0 s, evaluation 3.0 s); the "
+        "model's own plain forwards over the same blocks took 4.0 s in this run, and everything "
+        "but the load and those forwards 8.0 s = **2.00×** them")
+    assert _line(md, "- Hardware:") == (
+        "- Hardware: AMD EPYC (2 cores, 2 torch threads), GPU H200; torch CPU capability AVX2, "
+        "MKL_CBWR=COMPATIBLE, CUBLAS_WORKSPACE_CONFIG=:4096:8")
+
+
+def test_run_section_lines_without_the_optional_fields():
+    v = _smollm2()
+    for k in ("gguf_sha256", "revision"):
+        v["model"].pop(k)
+    for k in ("sha256", "revision"):
+        v["corpus"].pop(k, None)
+    v["timings"] = {"total_s": 10.0, "model_load_s": 1.5, "capture_s": 2.0, "evaluate_s": 3.0}
+    v["hardware"].update(gpu_name=None, numeric_env={"OMP_NUM_THREADS": ""})
+    v["hardware"].pop("cpu_capability", None)
+    md = report.render_markdown(v)
+    assert _line(md, "- Model:") == (
+        "- Model: `smollm2` → `SmolLM2-135M-Instruct.Q4_1.gguf`" + _MODEL_TAIL)
+    assert _line(md, "- Corpus:") == "- Corpus: `default` (bundled, 79 articles)"
+    assert _line(md, "- Runtime:") == (
+        "- Runtime: 10.0 s total (model load 1.5 s, capture 2.0 s, evaluation 3.0 s)")
+    assert _line(md, "- Hardware:") == "- Hardware: AMD EPYC (2 cores, 2 torch threads)"
+
+
+def test_verdict_fail_block_opens_with_title_blank_count_blank():
+    f = {"where": "layer 3 head 1", "check": "native", "value": 2.0, "tol": 1.0}
+    bad = report._verdict_md({"pass": False, "failed_checks": 2, "failures": [f, f]})
+    assert bad == ["## Verdict: FAIL", "",
+                   "**2 failed check(s)** (`ropestep validate` exits with status 1):", "",
+                   "- `FAIL layer 3 head 1: native = 2 (tolerance 1)`",
+                   "- `FAIL layer 3 head 1: native = 2 (tolerance 1)`", ""]
+
+
+def test_pos_keeps_minus_infinity():
+    assert report._pos(-math.inf) == -math.inf and report._pos("-inf") == -math.inf
+
+
+def test_lambda_figure_draws_fliers_whatever_the_rc_default(plt):
+    import matplotlib
+
+    # head 0: five values near 1 and an outlier at 100 (beyond Q3 + 1.5 IQR)
+    pts = {"head": [0] * 6 + [1] * 2, "lam_max": [1.0, 1.1, 1.2, 1.3, 1.4, 100.0, 2.0, 3.0]}
+    with matplotlib.rc_context({"boxplot.showfliers": False}):
+        fig = report._fig_lam(plt, 4, {"descent": {"points": pts}})
+    ax = fig.axes[0]
+    fl = [sorted(float(y) for y in ln.get_ydata()) for ln in ax.get_lines()
+          if ln.get_marker() not in ("None", None, "") and len(ln.get_ydata())]
+    assert fl == [[100.0]]
+
+
+def test_reuse_figure_panels_side_by_side(plt):
+    fig = report._fig_reuse(plt, 2, _points(2))
+    pos = [ax.get_position() for ax in fig.axes]
+    assert len(pos) == 3
+    assert pos[0].y0 == pytest.approx(pos[1].y0) == pytest.approx(pos[2].y0)
+    assert pos[0].height == pytest.approx(pos[2].height)
+    assert pos[0].x1 <= pos[1].x0 and pos[1].x1 <= pos[2].x0
+    assert list(fig.get_size_inches()) == [13.0, 4.0]
+
+
+def test_write_report_dir_replaces_an_old_report_that_cannot_be_removed(tmp_path, monkeypatch):
+    """Removing the old copy is best effort: a file in it that cannot be unlinked leaves a
+    hidden leftover beside ``out``, never an error after the new report is in place."""
+    out = tmp_path / "rep"
+    report.write_report_dir(out, lambda d: (d / "stuck").write_text("old"))
+    real = os.unlink
+
+    def unlink(path, *a, **kw):
+        if os.fspath(path).endswith("stuck"):
+            raise PermissionError(1, "Operation not permitted", os.fspath(path))
+        return real(path, *a, **kw)
+
+    monkeypatch.setattr(os, "unlink", unlink)
+    assert report.write_report_dir(out, lambda d: (d / "new.txt").write_text("2")) == out
+    monkeypatch.undo()
+    assert sorted(p.name for p in out.iterdir()) == ["new.txt"]
+    left = [p for p in tmp_path.iterdir() if p.name != "rep"]
+    assert len(left) == 1 and left[0].name.startswith(".rep.old-")
+    assert (left[0] / "stuck").read_text() == "old"
+
+
+def test_write_report_dir_reraises_the_fill_error_when_fill_removed_its_directory(tmp_path):
+    import shutil
+
+    out = tmp_path / "rep"
+    report.write_report_dir(out, lambda d: (d / "a.txt").write_text("1"))
+
+    def fill(d):
+        (d / "a.txt").write_text("2")
+        shutil.rmtree(d)
+        raise ValueError("fill failed")
+
+    with pytest.raises(ValueError, match="^fill failed$"):
+        report.write_report_dir(out, fill)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["rep"]
+    assert (out / "a.txt").read_text() == "1"
+
+
+_C_LOCALE_SNIPPET = r"""
+import json, locale, sys
+from pathlib import Path
+from ropestep import report
+if locale.getpreferredencoding(False).lower().replace("-", "").replace("_", "") in ("utf8",):
+    print("UTF-8 LOCALE")
+    sys.exit(0)
+src, out, own, lam = map(Path, sys.argv[1:5])
+r = report.load(src)
+report.write_report(r, out, figures=False)
+own.mkdir()
+report.fill_rendered(own, r, report.render_markdown)
+print(json.dumps(report.load(lam)))
+"""
+
+
+def test_report_files_are_utf8_under_a_c_locale(tmp_path):
+    """report.json / report.md are written and read as UTF-8 whatever the locale says: under
+    LC_ALL=C (ASCII, no UTF-8 mode) the bytes are the same as here."""
+    import subprocess
+    import sys
+
+    src = ROOT / "validation" / "smollm2" / "report.json"
+    lam = tmp_path / "lam.json"
+    lam.write_bytes('{"λ": ["μ", 1.5], "x": "-inf"}'.encode("utf-8"))
+    env = dict(os.environ, LC_ALL="C", LANG="C", PYTHONCOERCECLOCALE="0", PYTHONUTF8="0",
+               PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    env.pop("PYTHONIOENCODING", None)
+    p = subprocess.run([sys.executable, "-c", _C_LOCALE_SNIPPET, str(src), str(tmp_path / "out"),
+                        str(tmp_path / "own"), str(lam)],
+                       env=env, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    if p.stdout.strip() == "UTF-8 LOCALE":
+        pytest.skip("the C locale is UTF-8 here")
+    assert json.loads(p.stdout) == {"λ": ["μ", 1.5], "x": -math.inf}
+    r = _smollm2()
+    md = report.render_markdown(r)
+    js = report.dumps(r)
+    assert "→" in md and "λ" in md  # the files hold non-ASCII text
+    for d in ("out", "own"):
+        assert (tmp_path / d / "report.md").read_bytes() == md.encode("utf-8")
+        assert (tmp_path / d / "report.json").read_bytes() == js.encode("utf-8")

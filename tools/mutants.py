@@ -112,6 +112,12 @@ MUTMUT_PARTS: dict[str, dict[str, Any]] = {
             "tests/test_reference_validate.py", "tests/test_report_statistics.py",
             "tests/test_verdicts.py", "tests/test_protocol.py",
             "-k", "not two_real_smollm2 and not planted_bug"]},
+    "mutmut-realchecks": {
+        "only_mutate": ["src/ropestep/realchecks.py"], "also_copy": ["validation", "docs"],
+        "pytest_add_cli_args_test_selection": [
+            "tests/models/test_realchecks.py", "tests/test_reference_real_heads.py",
+            "tests/test_reference_positional.py",
+            "-k", "not two_real_smollm2 and not planted_bug"]},
 }
 
 
@@ -649,6 +655,12 @@ class Equivalence:
     reason: str
 
 
+_FLOAT_LIST = ("_num returns a Python float for every value (None -> nan, the JSON strings parsed "
+               "by float()), so np.asarray infers float64, the dtype asked for, also for an "
+               "empty list")
+_ENCODED = ("jsonable (verdict.encode) turns every float -- Python, numpy, or torch through numpy -- "
+            "into a finite float or the string 'nan'/'inf'/'-inf', so no non-finite float reaches "
+            "json.dumps and allow_nan is never consulted")
 # device=None is the CPU: the same tensor on this CPU-only suite, the wrong device on CUDA
 _CPU = "on the CPU, where this suite runs, device=None is the tensor's own device"
 _CPU_STREAMED = (_CPU + "; on CUDA the tensor would stay on the CPU and the next product would "
@@ -861,6 +873,43 @@ EQUIVALENT: tuple[Equivalence, ...] = (
                 "edges[0] is the 0-quantile, exactly min(a) (interpolation weight 0), so "
                 "searchsorted(side='right') >= 1 and idx >= 0 before the clip (only when "
                 "max(a) - min(a) overflows are the edges NaN/inf)"),
+    # report.py: the renderers and the atomic writer
+    *(Equivalence(fn, "np.asarray([_num(v) for v in pts[", after, _FLOAT_LIST)
+      for fn in ("report._fig_lam", "report._fig_reuse") for after in ("], None)", "]], )")),
+    Equivalence("report._fig_lam", 'color="crimson"', 'color="CRIMSON"',
+                "matplotlib's colour names are case-insensitive: to_rgba('CRIMSON') == "
+                "to_rgba('crimson')"),
+    Equivalence("report._table", 'al = align or ("l" + "r" * (len(head) - 1))', '"R" *',
+                "the separator row tests a == 'l' and right-aligns everything else, 'R' too"),
+    Equivalence("report.fmt", 'if abs(v) < 1 else f"{v:.{digits}g}"', "if abs(v) <= 1 else",
+                "the branches differ only at |v| == 1, where both print '1' or '-1' (g format "
+                "drops the trailing zeros whatever the precision)"),
+    *(Equivalence("report.dumps", "allow_nan=False, ensure_ascii=False", after, _ENCODED)
+      for after in ("allow_nan=None,", "indent=1, ensure_ascii=False", "allow_nan=True,")),
+    Equivalence("report.dumps", "allow_nan=False, ensure_ascii=False", "ensure_ascii=None",
+                "json.dumps tests ensure_ascii for truth: None is False"),
+    *(Equivalence(fn, 'encoding="utf-8"', 'encoding="UTF-8"',
+                  "codec names are case-insensitive: 'UTF-8' is the codec 'utf-8'")
+      for fn in ("report.fill_rendered", "report.write_report", "report.load")),
+    *(Equivalence("report.render_figures", 'matplotlib.use("Agg", force=True)', after,
+                  "matplotlib resolves backend names case-insensitively, and switching to the "
+                  "non-interactive Agg backend cannot fail, which is all force decides (an "
+                  "exception instead of a silent no-op on failure)")
+      for after in ('"agg"', '"AGG"', "force=None", "force=False", '("Agg", )')),
+    Equivalence("report.render_figures", "plt.close(fig)", "plt.close(None)",
+                "plt.close(None) closes the current figure, which is fig: the figure functions "
+                "create it last and nothing in between creates another"),
+    *(Equivalence("report._layer_md", 'kp = ent.get("kappa", {})', after,
+                  "kp is only tested for truth (if kp else ''): None, like {}, is false")
+      for after in ('ent.get("kappa", None)', 'ent.get("kappa", )')),
+    Equivalence("report.write_report_dir", "mask = os.umask(0)", "os.umask(1)",
+                "os.umask returns the previous mask whatever it sets, and the next line restores "
+                "that mask: the value read and the mask left behind are the same"),
+    *(Equivalence("report.render_markdown", "(figures or {}).get(layer, [])", after,
+                  "_layer_md only tests figs for truth (if figs:): None and [] draw no figure "
+                  "section")
+      for after in ("get(layer, None)", "get(layer, )")),
+
 )
 
 
@@ -1179,6 +1228,7 @@ def mutmut_diffs(mutated_file: Path, original_file: Path, rel: str) -> dict[str,
     changed line before/after (``mutmut show`` without its process overhead)."""
     msrc = mutated_file.read_text(encoding="utf-8")
     mtree = ast.parse(msrc)
+    mlines = msrc.splitlines()  # sliced per function (get_source_segment re-splits the file)
     osrc = original_file.read_text(encoding="utf-8")
     defs = {(cls, f.name): f.lineno for cls, f in _functions(ast.parse(osrc))}
     bodies: dict[tuple, dict[str, list[str]]] = {}
@@ -1186,9 +1236,9 @@ def mutmut_diffs(mutated_file: Path, original_file: Path, rel: str) -> dict[str,
         mm = _NAME.match(node.name)
         if not mm:
             continue
-        seg = (ast.get_source_segment(msrc, node) or "").replace(node.name, mm.group("fn"), 1)
-        lines = [ln.replace("# type: ignore # mutmut generated", "").rstrip()
-                 for ln in seg.splitlines()]  # from the def line (mangled name restored)
+        seg = mlines[node.lineno - 1:node.end_lineno]  # from the def line
+        seg[0] = seg[0].replace(node.name, mm.group("fn"), 1)  # mangled name restored
+        lines = [ln.replace("# type: ignore # mutmut generated", "").rstrip() for ln in seg]
         bodies.setdefault((cls, mm.group("fn")), {})[mm.group("n")] = lines
     module = Path(rel).stem
     out = {}
