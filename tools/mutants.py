@@ -108,10 +108,16 @@ MUTMUT_PARTS: dict[str, dict[str, Any]] = {
             "native_ok", "_err", "summarize_real_checks", "_mean", "_r6", "_at", "_tol_text",
             "row_failures", "row_ok", "_nonfinite_paths", "verdict", "verdict_block",
             "_nonfinite_contexts", "summarize_layer", "is_paper_setup"]},
+        # the fast subset: the pooling of a frozen tiny run against the reference
+        # (tests/test_protocol_summaries.py), the committed report's pooling, the verdict's unit
+        # tests; the whole-run comparisons (test_reference_validate, the CLI runs) re-run a model
+        # per mutant, minutes each on 2 cores, and check the same leaves
         "pytest_add_cli_args_test_selection": [
-            "tests/test_reference_validate.py", "tests/test_report_statistics.py",
-            "tests/test_verdicts.py", "tests/test_protocol.py",
-            "-k", "not two_real_smollm2 and not planted_bug"]},
+            "tests/test_protocol_summaries.py", "tests/test_report_statistics.py",
+            "tests/test_verdicts.py::test_protocol_verdict_from_a_report_dict",
+            "tests/test_verdicts.py::test_builtin_max_drops_nan_but_worst_does_not",
+            "tests/test_verdicts.py::test_pass_predicate_fails_nan_and_inf",
+            "tests/test_protocol.py::test_paper_setup_detection"]},
     "mutmut-realchecks": {
         "only_mutate": ["src/ropestep/realchecks.py"], "also_copy": ["validation", "docs"],
         "pytest_add_cli_args_test_selection": [
