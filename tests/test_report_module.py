@@ -151,6 +151,7 @@ def test_write_rendered_and_fill_rendered(tmp_path):
     drawn = []
 
     def figs(result, d):
+        assert result is res  # the figures are drawn from the result written
         drawn.append(d.name)
         d.mkdir()
         (d / "f.png").write_text("png")
@@ -638,3 +639,39 @@ def test_report_files_are_utf8_under_a_c_locale(tmp_path):
     for d in ("out", "own"):
         assert (tmp_path / d / "report.md").read_bytes() == md.encode("utf-8")
         assert (tmp_path / d / "report.json").read_bytes() == js.encode("utf-8")
+
+
+@pytest.fixture
+def ascii_locale():
+    """This process's LC_CTYPE set to C (ASCII), where the C library has it: what ``open``
+    falls back to without an ``encoding`` (outside Python's UTF-8 mode)."""
+    import locale
+    import sys
+
+    if sys.flags.utf8_mode:
+        pytest.skip("Python's UTF-8 mode ignores the locale")
+    old = locale.setlocale(locale.LC_CTYPE)
+    try:
+        locale.setlocale(locale.LC_CTYPE, "C")
+        if "utf" in locale.getpreferredencoding(False).lower().replace("-", ""):
+            pytest.skip("the C locale is UTF-8 here")
+        yield
+    finally:
+        locale.setlocale(locale.LC_CTYPE, old)
+
+
+def test_report_files_are_utf8_in_an_ascii_locale_in_process(tmp_path, ascii_locale):
+    """The same as above in this process (the locale switched here): write_report,
+    write_rendered, fill_rendered and load name their encoding."""
+    r = _smollm2()
+    out = report.write_report(r, tmp_path / "a", figures=False)
+    md, js = report.render_markdown(r), report.dumps(r)
+    assert (out / "report.md").read_bytes() == md.encode("utf-8") and "λ" in md
+    assert (out / "report.json").read_bytes() == js.encode("utf-8")
+    assert report.load(out / "report.json") == report.load(ROOT / "validation" / "smollm2" /
+                                                           "report.json")
+    d = tmp_path / "own"
+    d.mkdir()
+    report.fill_rendered(d, {"λ": "μ"}, lambda res: "# λ → μ\n")
+    assert (d / "report.md").read_bytes() == "# λ → μ\n".encode("utf-8")
+    assert (d / "report.json").read_bytes() == report.dumps({"λ": "μ"}).encode("utf-8")
