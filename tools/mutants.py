@@ -113,7 +113,8 @@ MUTMUT_PARTS: dict[str, dict[str, Any]] = {
         # tests; the whole-run comparisons (test_reference_validate, the CLI runs) re-run a model
         # per mutant, minutes each on 2 cores, and check the same leaves
         "pytest_add_cli_args_test_selection": [
-            "tests/test_protocol_summaries.py", "tests/test_report_statistics.py",
+            "tests/test_protocol_summaries.py", "tests/test_protocol_verdict.py",
+            "tests/test_report_statistics.py",
             "tests/test_verdicts.py::test_protocol_verdict_from_a_report_dict",
             "tests/test_verdicts.py::test_builtin_max_drops_nan_but_worst_does_not",
             "tests/test_verdicts.py::test_pass_predicate_fails_nan_and_inf",
