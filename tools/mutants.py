@@ -1622,7 +1622,10 @@ def _render_mutmut(pname: str, mm: dict) -> list[str]:
           f"First pass with hypothesis profile `{mm['hypothesis_profile']}`"
           + (f"; survivors not explained by `EQUIVALENT` (tools/mutants.py) are retried "
              f"with `{mm['retry_profile']}` ({len(mm.get('retried', []))} this run)"
-             if mm["retry_profile"] else "") + f".  Runtime {mm['runtime_s'] / 60:.1f} min.",
+             if mm["retry_profile"] else "") + f".  Runtime {mm['runtime_s'] / 60:.1f} min."
+          + "".join(f"  Only these functions of `{f}` are mutated (the rest of the file is "
+                    f"fenced off with mutmut's pragmas): {', '.join(names)}."
+                    for f, names in (cfg.get("functions") or {}).items()),
           "",
           "First pass (mutmut's own statuses): "
           + ", ".join(f"{k} {v}" for k, v in mm["first_pass"].items()), "",
