@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import copy
 import math
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -21,7 +20,7 @@ import torch
 from ropestep import protocol
 
 NAN, INF = math.nan, math.inf
-DATA = Path(__file__).resolve().parent / "data" / "validate_tiny_summaries.pt"
+from test_protocol_summaries import DATA  # the frozen tiny run (one owner of the file)
 
 
 def plain(x):

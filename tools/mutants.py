@@ -916,7 +916,6 @@ EQUIVALENT: tuple[Equivalence, ...] = (
                   "_layer_md only tests figs for truth (if figs:): None and [] draw no figure "
                   "section")
       for after in ("get(layer, None)", "get(layer, )")),
-
 )
 
 
