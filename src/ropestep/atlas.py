@@ -466,6 +466,35 @@ def replication_style(final: dict[int, list[np.ndarray]], lam: dict[int, list[np
                                          "lambda_max_max": _max(allla)}}
 
 
+def pool(done: Sequence[tuple[int, int, LayerResult]], specs: dict[int, tuple[HeadSpec, int]],
+         layers: Sequence[int], length: int, lp_dtype: torch.dtype, replication_only: bool = False
+         ) -> tuple[dict, dict, list[str]]:
+    """The report's pooled sections from every finished ``(context, layer, result)`` item
+    (``specs[layer] = (spec, m)``): the per-layer summaries (none under ``replication_only``),
+    the replication-style count (the final query of each context, layers whose scores are not
+    soft-capped) and the verdict's list of failed checks and errors."""
+    per_layer: dict[int, list[LayerResult]] = {L: [] for L in layers}
+    rep_inc: dict[int, list[np.ndarray]] = {L: [] for L in layers}
+    rep_lam: dict[int, list[np.ndarray]] = {L: [] for L in layers}
+    for _c, L, res in sorted(done, key=lambda t: (t[0], t[1])):
+        per_layer[L].append(res)
+        if specs[L][0].softcap is None:  # the step statistics assume phi = id
+            rep_inc[L].append(res.arrays["inc_query"][:, -1] > 0)
+            rep_lam[L].append(res.arrays["lam_query"][:, -1])
+    rep_inc = {L: v for L, v in rep_inc.items() if v}
+    rep_lam = {L: v for L, v in rep_lam.items() if v}
+    out_layers = {}
+    if not replication_only:
+        for L in layers:
+            spec, m = specs[L]
+            out_layers[str(L)] = summarise_layer(per_layer[L], spec, m, length, lp_dtype)
+    failed = [f"layer {L} head {h['head']}: " + ", ".join(k for k, v in h["checks"].items()
+                                                         if not v)
+              for L, lr in out_layers.items() for h in lr["heads"] if not h["passed"]]
+    failed += [e for lr in out_layers.values() for e in lr["errors"]]
+    return out_layers, replication_style(rep_inc, rep_lam), failed
+
+
 # ---------------------------------------------------------------------------------------------
 # the run: model, contexts, capture, every layer
 # ---------------------------------------------------------------------------------------------
@@ -661,27 +690,10 @@ def run(cfg: AtlasConfig, *, progress: bool = True, command: Sequence[str] | Non
         raise RuntimeError("the gathered atlas items do not cover the work list exactly once")
     for p in parts:
         specs.update(p["specs"])
-    per_layer: dict[int, list[LayerResult]] = {L: [] for L in layers}
-    rep_inc: dict[int, list[np.ndarray]] = {L: [] for L in layers}
-    rep_lam: dict[int, list[np.ndarray]] = {L: [] for L in layers}
-    for c, L, res in done:
-        per_layer[L].append(res)
-        if specs[L][0].softcap is None:  # the step statistics assume phi = id
-            rep_inc[L].append(res.arrays["inc_query"][:, -1] > 0)
-            rep_lam[L].append(res.arrays["lam_query"][:, -1])
-    rep_inc = {L: v for L, v in rep_inc.items() if v}
-    rep_lam = {L: v for L, v in rep_lam.items() if v}
-    out_layers = {}
-    if not cfg.replication_only:
-        for L in layers:
-            spec, m = specs[L]
-            out_layers[str(L)] = summarise_layer(per_layer[L], spec, m, cfg.length, lp)
+    out_layers, replication, failed = pool(done, specs, layers, cfg.length, lp,
+                                           cfg.replication_only)
     timers["total"] = time.perf_counter() - t0
     cost_section = None if cfg.replication_only else _cost(done, specs, parts, lp, cfg.device)
-    failed = [f"layer {L} head {h['head']}: " + ", ".join(k for k, v in h["checks"].items()
-                                                         if not v)
-              for L, lr in out_layers.items() for h in lr["heads"] if not h["passed"]]
-    failed += [e for lr in out_layers.values() for e in lr["errors"]]
     src = getattr(corpus, "source", None) or {}
     corpus_prov = {"argument": portable_name(cfg.corpus), "sha256": src.get("sha256"),
                    "name": portable_name(getattr(corpus, "name", None))}
@@ -706,7 +718,7 @@ def run(cfg: AtlasConfig, *, progress: bool = True, command: Sequence[str] | Non
                 "rank_timing_seconds": {str(p["rank"]): p["timers"] for p in parts}},
         "peak_rss_mib": peak_rss_mib(),
         "layers": out_layers,
-        "replication_style_descent": replication_style(rep_inc, rep_lam),
+        "replication_style_descent": replication,
         "verdict": {"passed": not failed, "failed": failed},
     }
     if dump_raw is not None:

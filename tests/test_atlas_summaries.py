@@ -1,0 +1,317 @@
+"""``atlas``'s statistics against the reference, from the captured layers, without a model.
+
+``atlas.run`` captures each (context, layer) item's inputs with one forward of the model,
+measures it with :func:`ropestep.atlas.evaluate_layer` (the per-query arrays: the identity's and
+the readouts' errors against the model's own output and their bounds, kappa in both gauges, the
+sink mass, lambda_max and the unit step's test in both spaces, the frozen-reuse errors and the
+TV distances), and pools the items with :func:`ropestep.atlas.pool` (per-head summaries, the
+replication-style count, the verdict's failures) and :func:`ropestep.atlas._cost` (the counted
+work).  ``tests/test_reference_atlas.py`` checks every leaf of a whole tiny run against the
+reference recomputation (``ropestep.reference.atlas``, written from docs/protocol.md alone).
+
+Here the same run is frozen: ``tests/data/atlas_tiny_items.pt`` holds, for the seeded model and
+command of that test, the arguments each ``evaluate_layer`` call received (the layer's float64
+description and weights, the captured inputs, positions and the model's own per-head outputs),
+the report the run wrote and the reference's recomputation from the run's ``--dump-raw`` dump.
+The test measures and pools the frozen items with today's code, puts the result in place of the
+report's layers, replication count, verdict and counted work, and compares every leaf with the
+reference under the tolerances and leaf classes of ``test_reference_atlas`` (the expected values
+come from the reference, never from the code under test).  Planted failures exercise the
+verdict's failure path.
+
+It takes about a second, which makes it the test mutation testing runs first on ``atlas``'s
+statistics (``tools/mutants.py``, part ``mutmut-atlas``).  After a deliberate change to what an
+item measures or to the reference, rebuild the file with
+``ROPESTEP_REGEN_GOLDEN=1 pytest tests/test_atlas_summaries.py`` and review the printed counts.
+"""
+from __future__ import annotations
+
+import copy
+import math
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from ropestep import atlas, tolerances
+from ropestep.report import dumps
+from ropestep.verdict import loads
+from test_reference_atlas import (TINY_ARGS, build_model, compare, run_case, undecided)
+
+pytestmark = pytest.mark.model
+
+DATA = Path(__file__).resolve().parent / "data" / "atlas_tiny_items.pt"
+
+
+def _generate(root: Path) -> dict:
+    """The tiny run of test_reference_atlas, recording each item's inputs and the pooling's."""
+    calls: dict[int, tuple] = {}
+    seen: dict = {}
+    evaluate, pool = atlas.evaluate_layer, atlas.pool
+
+    def rec_evaluate(*args, **kwargs):
+        res = evaluate(*args, **kwargs)
+        kw = {k: v for k, v in kwargs.items() if k != "timers"}
+        calls[id(res)] = (args, kw)
+        return res
+
+    def rec_pool(done, specs, layers, length, lp_dtype, replication_only=False):
+        seen.update(items=[(c, L, *calls[id(res)]) for c, L, res in done], specs=specs,
+                    layers=list(layers), length=length, lp_dtype=lp_dtype)
+        return pool(done, specs, layers, length, lp_dtype, replication_only)
+
+    atlas.evaluate_layer, atlas.pool = rec_evaluate, rec_pool
+    try:
+        case = run_case(root, ["--model", str(build_model(root / "model")), *TINY_ARGS])
+    finally:
+        atlas.evaluate_layer, atlas.pool = evaluate, pool
+    assert len(seen["items"]) == len(case.report["contexts"]) * len(case.report["layers"])
+    return {**seen, "report": case.report, "ref": case.ref,
+            "timers": case.report["timing_seconds"]}
+
+
+@pytest.fixture(scope="module")
+def frozen(tmp_path_factory) -> dict:
+    if os.environ.get("ROPESTEP_REGEN_GOLDEN"):
+        data = _generate(tmp_path_factory.mktemp("atlas_items"))
+        DATA.parent.mkdir(parents=True, exist_ok=True)
+        torch.save(data, DATA)
+    return torch.load(DATA, weights_only=False)
+
+
+@pytest.fixture(scope="module")
+def measured(frozen) -> list:
+    """Today's ``evaluate_layer`` on every frozen item: ``(context, layer, LayerResult)`` (the
+    tests that plant a value copy what they change)."""
+    return [(c, L, atlas.evaluate_layer(*args, **kw)) for c, L, args, kw in frozen["items"]]
+
+
+def pooled(frozen: dict, done: list, cost: bool = False) -> dict:
+    """The frozen run's report with the measured items ``done`` pooled by today's code (and,
+    with ``cost``, their counted work: that measures this machine's GEMM rates, ~1 s), read
+    back as ``report.json`` is."""
+    rep = loads(dumps(frozen["report"]))
+    layers, replication, failed = atlas.pool(done, frozen["specs"], frozen["layers"],
+                                             frozen["length"], frozen["lp_dtype"])
+    rep["layers"], rep["replication_style_descent"] = layers, replication
+    rep["verdict"] = {"passed": not failed, "failed": failed}
+    if cost:
+        rep["cost"] = atlas._cost(done, frozen["specs"], [{"timers": frozen["timers"]}],
+                                  frozen["lp_dtype"], "cpu")
+    return loads(dumps(rep))
+
+
+def test_the_frozen_items_measure_and_pool_to_the_reference(frozen, measured):
+    assert not undecided(frozen["ref"]), "the frozen run has decisions at their thresholds"
+    rep = pooled(frozen, measured, cost=True)
+    problems, counts = compare(rep, frozen["ref"])
+    print("leaves:", counts)
+    assert not problems, f"{len(problems)} leaves disagree:\n" + "\n".join(problems[:40])
+    assert counts["recomputed"] > 300 and counts["counted"] > 0
+    assert rep["verdict"] == {"passed": True, "failed": []}
+    # the planted head's original gauge is resolved for some queries and not for others
+    unresolved = [h["original_gauge_unresolved_queries"] for lr in rep["layers"].values()
+                  for h in lr["heads"]]
+    assert any(unresolved) and not all(unresolved)
+
+
+def test_the_committed_run_wrote_what_the_frozen_items_pool_to(frozen, measured):
+    """The frozen report is the pooling of the frozen items (the file is one run's), the
+    float64 statistics bit for bit: the measurement is deterministic on one machine."""
+    rep = pooled(frozen, measured, cost=True)
+    written = loads(dumps(frozen["report"]))
+    assert rep["replication_style_descent"] == written["replication_style_descent"]
+    assert rep["verdict"] == written["verdict"]
+    assert set(rep["layers"]) == set(written["layers"])
+    assert {k: v["flops"] for k, v in rep["cost"]["phases"].items()} == \
+        {k: v["flops"] for k, v in written["cost"]["phases"].items()}
+
+
+def _planted(done: list, layer: int, head: int, key: str, value: float) -> list:
+    """``done`` with ``key`` of one head's final query set to ``value`` in every context."""
+    out = []
+    for c, L, res in done:
+        if L == layer:
+            res = copy.deepcopy(res)
+            res.arrays[key][head, -1] = value
+        out.append((c, L, res))
+    return out
+
+
+PLANTS = {  # the per-query array scaled at one query of one head, the check it must fail
+    "identity": ("id_abs", "id_bound", "identity_float64"),
+    "float64 readout": ("native_abs", "native_bound", "float64_vs_native"),
+    "original gauge": ("native_orig_abs", "native_orig_bound",
+                       "float64_original_gauge_vs_native"),
+    "model dtype": ("lp_abs", "lp_bound", "model_dtype_vs_native"),
+}
+
+
+@pytest.mark.parametrize("name", list(PLANTS))
+def test_a_planted_failure_reaches_the_verdict(frozen, measured, name):
+    """One query's error pushed past its bound fails exactly that check of that head, and the
+    verdict names it; a NaN error fails the check and ``finite`` where that is checked."""
+    err, bound, check = PLANTS[name]
+    done = measured
+    L, h = frozen["layers"][-1], 1
+    res = next(r for _c, LL, r in done if LL == L)
+    b = res.arrays[bound][h, -1]
+    if err == "id_abs":  # the identity's bound is relative to the value scale
+        b = b * res.value_scale[h]
+    rep = pooled(frozen, _planted(done, L, h, err, 4.0 * b))
+    head = rep["layers"][str(L)]["heads"][h]
+    assert [k for k, v in head["checks"].items() if not v] == [check]
+    assert rep["verdict"] == {"passed": False, "failed": [f"layer {L} head {h}: {check}"]}
+    others = [hh["passed"] for LL, lr in rep["layers"].items() for hh in lr["heads"]
+              if (LL, hh["head"]) != (str(L), h)]
+    assert all(others)
+    nan = pooled(frozen, _planted(done, L, h, err, math.nan))
+    failed = [k for k, v in nan["layers"][str(L)]["heads"][h]["checks"].items() if not v]
+    assert check in failed and (err == "native_orig_abs" or "finite" in failed), failed
+
+
+def test_an_item_error_reaches_the_verdict(frozen, measured):
+    done = measured
+    c, L, res = done[0]
+    res = copy.deepcopy(res)
+    res.errors.append(f"layer {L}: planted overflow")
+    rep = pooled(frozen, [(c, L, res), *done[1:]])
+    assert rep["layers"][str(L)]["errors"] == [f"layer {L}: planted overflow"]
+    assert rep["layers"][str(L)]["passed"] is False
+    assert rep["verdict"] == {"passed": False, "failed": [f"layer {L}: planted overflow"]}
+
+
+def test_the_replication_count_takes_each_contexts_final_query(frozen, measured):
+    """The replication-style count from the measured items by hand: the final query's flag and
+    lambda_max of each head, per layer and pooled."""
+    done = measured
+    rep = pooled(frozen, done)["replication_style_descent"]
+    total_inc = total_heads = 0
+    lams = []
+    for L in frozen["layers"]:
+        inc = np.concatenate([r.arrays["inc_query"][:, -1] for _c, LL, r in done if LL == L])
+        lam = np.concatenate([r.arrays["lam_query"][:, -1] for _c, LL, r in done if LL == L])
+        got = rep["per_layer"][str(L)]
+        assert (got["increase"], got["heads"]) == (int((inc > 0).sum()), inc.size)
+        assert got["lambda_max_median"] == pytest.approx(float(np.median(lam)), rel=1e-15)
+        assert got["lambda_max_max"] == pytest.approx(float(lam.max()), rel=1e-15)
+        total_inc, total_heads = total_inc + int((inc > 0).sum()), total_heads + inc.size
+        lams.append(lam)
+    allla = np.concatenate(lams)
+    assert (rep["pooled"]["increase"], rep["pooled"]["heads"]) == (total_inc, total_heads)
+    assert rep["pooled"]["lambda_max_median"] == pytest.approx(float(np.median(allla)),
+                                                               rel=1e-15)
+    assert rep["pooled"]["lambda_max_max"] == pytest.approx(float(allla.max()), rel=1e-15)
+
+
+def test_replication_only_pools_no_layers(frozen, measured):
+    done = measured
+    layers, replication, failed = atlas.pool(done, frozen["specs"], frozen["layers"],
+                                             frozen["length"], frozen["lp_dtype"], True)
+    assert layers == {} and failed == []
+    assert replication["pooled"]["heads"] == len(done) * frozen["specs"][0][0].n_heads
+
+
+def test_the_file_is_one_run_of_the_reference_test(frozen):
+    """The frozen inputs are those of test_reference_atlas's command (so that file's leaf
+    classes and tolerances apply)."""
+    assert frozen["report"]["config"]["contexts"] == int(TINY_ARGS[1])
+    assert frozen["report"]["config"]["length"] == int(TINY_ARGS[3])
+    assert frozen["report"]["config"]["anchor_every"] == int(TINY_ARGS[7])
+
+
+def test_replication_only_measures_what_the_full_run_measures(frozen, measured):
+    """``--replication-only`` measures the final query alone (``_final_query_only``): its
+    lambda_max and unit-step flag are the full measurement's at that query (which the first
+    test checks against the reference), and nothing else is measured."""
+    from types import SimpleNamespace
+
+    cfg = SimpleNamespace(device="cpu", max_bytes=frozen["items"][0][3]["max_bytes"])
+    for (c, L, args, _kw), (_c, _L, full) in zip(frozen["items"], measured):
+        spec, w, x, positions = args[:4]
+        timers: dict = {}
+        got = atlas._final_query_only(spec, w, SimpleNamespace(x=x, positions=positions), L,
+                                      cfg, timers)
+        assert got.layer == L and timers["replication_descent"] > 0
+        np.testing.assert_array_equal(got.arrays["inc_query"][:, -1],
+                                      full.arrays["inc_query"][:, -1])
+        # each is a certified lower end within LAMBDA_CERT_REL of lambda_max (fast.lambda_max)
+        # of Gram matrices that differ by their summation order (n u ||G||, far below it)
+        np.testing.assert_allclose(got.arrays["lam_query"][:, -1],
+                                   full.arrays["lam_query"][:, -1],
+                                   rtol=2 * tolerances.LAMBDA_CERT_REL, atol=0)
+        assert sorted(got.arrays) == sorted(atlas.PER_QUERY)
+        for k, v in got.arrays.items():
+            rest = v if k not in ("inc_query", "lam_query") else v[:, :-1]
+            assert np.isnan(rest).all(), k
+        assert got.errors == []
+
+
+def test_an_item_round_trips_through_the_run_directory(measured):
+    """``--run-dir`` keeps each item as ``_result_to_arrays`` lays it out; ``--resume`` reads it
+    back with ``_result_from_arrays``: bit for bit, and an item of another version's statistics
+    (one missing, one added, a scale missing) is refused, not half read."""
+    for c, L, res in measured:
+        arrays, meta = atlas._result_to_arrays(res, c, 64)
+        assert meta == {"context": c, "layer": L, "errors": list(res.errors), "m": 64}
+        back, m = atlas._result_from_arrays(arrays, meta)
+        assert (m, back.layer, back.errors) == (64, L, res.errors)
+        assert sorted(back.arrays) == sorted(res.arrays) == sorted(atlas.PER_QUERY)
+        for k, v in res.arrays.items():
+            assert back.arrays[k].tobytes() == v.tobytes(), k
+        for k in ("value_scale", "native_scale", "qk_max"):
+            assert getattr(back, k).tobytes() == getattr(res, k).tobytes(), k
+    for change in ({"drop": "arrays.tv"}, {"drop": "qk_max"}, {"drop": "value_scale"},
+                   {"add": "arrays.new_statistic"}):
+        bad = dict(arrays)
+        if "drop" in change:
+            del bad[change["drop"]]
+        else:
+            bad[change["add"]] = arrays["arrays.tv"]
+        with pytest.raises(atlas.AtlasError, match=f"context {c} layer {L} holds other "
+                           "statistics than this version computes: start without --resume"):
+            atlas._result_from_arrays(bad, meta)
+
+
+def test_same_report_compares_every_number_but_the_machines(frozen):
+    """``same_report`` (the distributed and resume tests' criterion): timings, the process
+    layout, the environment, memory, the command line and the cost's seconds and rates may
+    differ; any statistic, the verdict or a counted flop may not."""
+    a = loads(dumps(frozen["report"]))
+    b = copy.deepcopy(a)
+    for k in ("run", "timing_seconds", "environment", "peak_rss_mib", "command"):
+        b[k] = "another machine"
+    ph = next(iter(b["cost"]["phases"]))
+    for k in b["cost"]["phases"][ph]:
+        if k != "flops":
+            b["cost"]["phases"][ph][k] = -1.0
+    for k in b["cost"]:
+        if k != "phases":
+            b["cost"][k] = "another machine"
+    assert atlas.same_report(a, b) and atlas.same_report(b, a)
+    changes = {
+        "a counted flop": ("cost", "phases", ph, "flops"),
+        "a statistic": ("layers", "0", "heads", 0, "spread", "max"),
+        "the replication count": ("replication_style_descent", "pooled", "increase"),
+        "a context": ("contexts", 0, "start"),
+    }
+    for name, path in changes.items():
+        c = copy.deepcopy(a)
+        node = c
+        for p in path[:-1]:
+            node = node[p]
+        node[path[-1]] = node[path[-1]] + 1
+        assert not atlas.same_report(a, c), name
+        assert not atlas.same_report(c, a), name
+    c = copy.deepcopy(a)
+    c["verdict"] = {"passed": False, "failed": ["layer 0 head 0: finite"]}
+    assert not atlas.same_report(a, c)
+    c = copy.deepcopy(a)
+    c["cost"] = None
+    assert not atlas.same_report(a, c) and not atlas.same_report(c, a)
+    c = copy.deepcopy(a)
+    del c["cost"]  # an old report without the section: nothing counted on either side
+    d = copy.deepcopy(c)
+    assert atlas.same_report(c, d)
