@@ -49,3 +49,21 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def ascii_locale():
+    """This process's LC_CTYPE set to C (ASCII), where the C library has it: what ``open``
+    falls back to without an ``encoding`` (outside Python's UTF-8 mode)."""
+    import locale
+
+    if sys.flags.utf8_mode:
+        pytest.skip("Python's UTF-8 mode ignores the locale")
+    old = locale.setlocale(locale.LC_CTYPE)
+    try:
+        locale.setlocale(locale.LC_CTYPE, "C")
+        if "utf" in locale.getpreferredencoding(False).lower().replace("-", ""):
+            pytest.skip("the C locale is UTF-8 here")
+        yield
+    finally:
+        locale.setlocale(locale.LC_CTYPE, old)

@@ -13,7 +13,11 @@ condition number 100 carries relative errors of order ``d u cond ~ 1e-13``).
 """
 from __future__ import annotations
 
+import copy
+import json
 import math
+import warnings
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -21,6 +25,7 @@ import torch
 
 from ropestep import heads, rope
 from ropestep import tolerances as tl
+from ropestep.report import load
 from ropestep.spec import HeadSpec, HeadWeights, RoPESpec
 
 M = 12
@@ -251,3 +256,135 @@ def test_bad_input_is_a_heads_error():
             heads.parse_layers(text, 3)
     assert heads.parse_layers("all", 3) == [0, 1, 2] and heads.parse_layers("last", 3) == [2]
     assert heads.parse_layers("2,0,2", 3) == [0, 2]
+
+
+# ---------------------------------------------------------------------------------------------
+# the corners the whole-run tests do not reach: the trained variants' diagnostics called
+# directly, the torchrun share of the layers, the grids the figures draw, the figures'
+# directory and warnings, the raw manifest's encoding (expected values written out by hand;
+# the numbers themselves meet the reference in tests/test_reference_heads.py)
+# ---------------------------------------------------------------------------------------------
+ROOT = Path(__file__).resolve().parents[1]
+COMMITTED = ROOT / "validation" / "heads-smollm2" / "report.json"
+
+
+def gpt(n_layers: int = 2, variant: str = "standard"):
+    from ropestep.families import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=64, n_layers=n_layers, n_heads=4, n_kv_heads=2,
+                          d_model=64, head_dim=16, seq_len=16, variant=variant,
+                          layout="interleaved")).eval()
+    if variant == "perhead":
+        for blk in model.blocks:
+            blk.attn.set_bases([2e3, 3e4, 4e5, 9e5])
+    return model
+
+
+@pytest.mark.parametrize("variant", ["standard", "cosine", "perhead"])
+def test_diagnose_gpt_describes_the_model_by_hand(variant):
+    """Every layer by default; the model block written out; the frequency axis is layer 0's."""
+    out = heads.diagnose_gpt(gpt(2, variant))
+    assert out["model"] == {
+        "name": f"ropestep.families GPT ({variant})", "model_type": "families",
+        "family": "cosine" if variant == "cosine" else "dot", "n_layers": 2, "n_heads": 4,
+        "n_kv_heads": 2, "group": 2, "head_dim": 16, "hidden": 64, "rope_theta": None,
+        "qkv_bias": False, "variant": variant}
+    assert list(out["layers"]) == ["0", "1"]
+    assert out["frequency_axis"] == out["layers"]["0"]["frequency_axis"]
+    assert out["raw_layers"] == {} and out["rank_layers"] == {"0": [0, 1]}
+    assert out["summary"] == heads.summarise(list(out["layers"].values()))
+
+
+def test_diagnose_gpt_of_a_one_layer_model():
+    out = heads.diagnose_gpt(gpt(1))
+    assert out["model"]["n_layers"] == 1 and list(out["layers"]) == ["0"]
+
+
+def test_the_diagnostics_see_float64_heads(monkeypatch):
+    """Both entry points describe each layer's heads in float64 (the diagnostics' singular
+    values and spectra are computed from the float64 projections, as the reference's)."""
+    seen = []
+    inner = heads.diagnose_weights
+
+    def rec(spec, w, **kw):
+        seen.append((w.w_q.dtype, w.w_k.dtype))
+        return inner(spec, w, **kw)
+
+    monkeypatch.setattr(heads, "diagnose_weights", rec)
+    heads.diagnose_gpt(gpt(2))
+    assert seen == [(torch.float64, torch.float64)] * 2
+
+
+@pytest.mark.parametrize("entry", ["diagnose", "diagnose_gpt"])
+def test_under_torchrun_a_rank_other_than_0_returns_none(entry, monkeypatch, tmp_path):
+    """``dist_info=(rank, world)`` shares the layers out; only rank 0 gathers a report.  With
+    the gather replaced by a one-process stand-in, rank 1 of 2 computes its share (the second
+    half of the layers) and returns None."""
+    from ropestep import dist
+
+    shares, parts = [], {}
+
+    def gather(mine, rank, world):  # rank 0 receives rank 1's share from its earlier call
+        shares.append((rank, world, sorted(mine)))
+        parts[rank] = mine
+        return [parts[r] for r in range(world)] if rank == 0 else None
+
+    monkeypatch.setattr(dist, "gather_to_rank0", gather)
+    if entry == "diagnose":
+        from test_reference_heads import build_model
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(build_model(tmp_path / "m"),
+                                                     attn_implementation="eager")
+        fn = heads.diagnose
+    else:
+        model, fn = gpt(2), heads.diagnose_gpt
+    assert fn(model, "all", dist_info=(1, 2)) is None
+    assert shares == [(1, 2, ["1"])]
+    got = fn(model, "all", dist_info=(0, 2))
+    assert shares[1:] == [(0, 2, ["0"])] and list(got["layers"]) == ["0", "1"]
+    assert got["rank_layers"] == {"0": [0], "1": [1]}
+    assert got["layers"] == fn(model, "all")["layers"]
+
+
+def test_grids_are_float_arrays_in_layer_order():
+    r = load(COMMITTED)
+    small = {"layers": {k: r["layers"][k] for k in ("3", "0", "1")}}
+    for what in ("cond_q", "cond_k", "erank_q", "erank_k", "barycenter"):
+        layers, vals = heads.grid(small, what)
+        assert layers == [0, 1, 3] and vals.dtype == np.float64
+    # integer-valued statistics (as JSON may give them back) still give floats
+    lr = copy.deepcopy(small)
+    for L in lr["layers"].values():
+        for h in L["query_heads"]:
+            h["barycenter"] = 1
+    assert heads.grid(lr, "barycenter")[1].dtype == np.float64
+    with pytest.raises(KeyError):
+        heads.grid(small, "base")
+
+
+def test_figures_into_a_new_nested_directory_without_warnings(tmp_path):
+    """A zero and a negative condition number (log10 of them: -inf and NaN) are drawn without
+    a floating-point warning, and the figures' directory is made with its parents."""
+    pytest.importorskip("matplotlib")
+    r = load(COMMITTED)
+    small = {"layers": {k: copy.deepcopy(r["layers"][k]) for k in ("0", "1")}}
+    small["layers"]["0"]["query_heads"][0]["w_q"]["cond"] = 0.0
+    small["layers"]["1"]["query_heads"][1]["w_q"]["cond"] = -1.0
+    out = tmp_path / "a" / "b" / "figures"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        heads.render_figures(small, out)
+    assert sorted(p.name for p in out.iterdir()) == sorted(
+        [f"heatmap_{n}.png" for n, _t, _l in heads.HEATMAPS] + ["band_energy.png"])
+
+
+def test_the_raw_manifest_is_utf8_under_an_ascii_locale(tmp_path, ascii_locale):
+    result = {"command": ["ropestep", "heads", "--model", "modèle-ß"],
+              "config": {"model": "modèle-ß", "base_min": 500.0, "base_max": 2e6},
+              "model": {"name": "modèle-ß"}}
+    heads.write_raw_manifest(tmp_path, result, {"0": {"n_heads": 4}})
+    got = json.loads((tmp_path / heads.RAW_MANIFEST).read_bytes().decode("utf-8"))
+    assert got["model"] == {"name": "modèle-ß"} and got["base_range"] == [500.0, 2e6]
+    assert got["layers"] == {"0": {"n_heads": 4}} and got["schema"] == heads.RAW_SCHEMA

@@ -641,25 +641,6 @@ def test_report_files_are_utf8_under_a_c_locale(tmp_path):
         assert (tmp_path / d / "report.json").read_bytes() == js.encode("utf-8")
 
 
-@pytest.fixture
-def ascii_locale():
-    """This process's LC_CTYPE set to C (ASCII), where the C library has it: what ``open``
-    falls back to without an ``encoding`` (outside Python's UTF-8 mode)."""
-    import locale
-    import sys
-
-    if sys.flags.utf8_mode:
-        pytest.skip("Python's UTF-8 mode ignores the locale")
-    old = locale.setlocale(locale.LC_CTYPE)
-    try:
-        locale.setlocale(locale.LC_CTYPE, "C")
-        if "utf" in locale.getpreferredencoding(False).lower().replace("-", ""):
-            pytest.skip("the C locale is UTF-8 here")
-        yield
-    finally:
-        locale.setlocale(locale.LC_CTYPE, old)
-
-
 def test_report_files_are_utf8_in_an_ascii_locale_in_process(tmp_path, ascii_locale):
     """The same as above in this process (the locale switched here): write_report,
     write_rendered, fill_rendered and load name their encoding."""

@@ -563,7 +563,7 @@ def write_raw_manifest(out: Path, result: dict, layers: dict[str, dict]) -> None
 # ---------------------------------------------------------------------------------------------
 def grid(result: dict, what: str) -> tuple[list[int], np.ndarray]:
     """``(layers, values (n_layers, heads))`` for ``what`` in ``cond_q``, ``cond_k``,
-    ``erank_q``, ``erank_k``, ``barycenter``, ``base``."""
+    ``erank_q``, ``erank_k``, ``barycenter`` (the heatmaps of :data:`HEATMAPS`)."""
     layers = sorted(int(k) for k in result["layers"])
     get = {
         "cond_q": lambda lr: [h["w_q"]["cond"] for h in lr["query_heads"]],
@@ -571,7 +571,6 @@ def grid(result: dict, what: str) -> tuple[list[int], np.ndarray]:
         "erank_q": lambda lr: [h["w_q"]["effective_rank"] for h in lr["query_heads"]],
         "erank_k": lambda lr: [g["w_k"]["effective_rank"] for g in lr["kv_heads"]],
         "barycenter": lambda lr: [h["barycenter"] for h in lr["query_heads"]],
-        "base": lambda lr: [h["barycenter_base"] for h in lr["query_heads"]],
     }[what]
     return layers, np.array([get(result["layers"][str(L)]) for L in layers], dtype=float)
 
