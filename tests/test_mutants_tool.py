@@ -585,3 +585,27 @@ def test_tool_restrict_to_functions_fences_the_others(tool, tmp_path):
     mutmut = pytest.importorskip("mutmut.__main__")  # a dev tool, not installed by CI
     mutants = mutmut.mutate_file_contents("m.py", out, None, None).mutant_names
     assert mutants and all(n.startswith("x_keep__mutmut_") for n in mutants)
+
+
+def test_tool_verdicts_kept_between_sessions(tool, tmp_path):
+    """``save_state`` keeps a part's mutmut files (the ``.meta`` of each mutated file and the
+    test statistics); ``seed_state`` puts them into a fresh copy only, never over a copy that
+    has its own, and not when one of them is missing."""
+    files = ["src/ropestep/heads.py"]
+    state, copy, fresh = tmp_path / "state", tmp_path / "copy", tmp_path / "fresh"
+    meta = copy / "mutants" / "src" / "ropestep" / "heads.py.meta"
+    stats = copy / "mutants" / "mutmut-stats.json"
+    meta.parent.mkdir(parents=True)
+    meta.write_text('{"exit_code_by_key": {"a": 1, "b": null}}')
+    assert not tool.seed_state(fresh, "p", files, state)  # nothing kept yet
+    tool.save_state(copy, "p", files, state)
+    assert sorted(p.name for p in (state / "p").iterdir()) == ["heads.py.meta"]
+    assert not tool.seed_state(fresh, "p", files, state)  # the statistics are missing
+    stats.write_text('{"tests": 1}')
+    tool.save_state(copy, "p", files, state)
+    assert tool.seed_state(fresh, "p", files, state)
+    assert (fresh / meta.relative_to(copy)).read_text() == meta.read_text()
+    assert (fresh / stats.relative_to(copy)).read_text() == '{"tests": 1}'
+    (fresh / meta.relative_to(copy)).write_text("its own")
+    assert not tool.seed_state(fresh, "p", files, state)  # a copy's own verdicts win
+    assert (fresh / meta.relative_to(copy)).read_text() == "its own"

@@ -946,6 +946,40 @@ def make_copy(dest: Path, repo: Path = REPO) -> Path:
     return dest
 
 
+STATE = REPO / "mutation" / "state"
+"""mutmut's verdicts per part, kept between sessions (:func:`save_state`, :func:`seed_state`)."""
+
+
+def _state_files(copy: Path, files: Sequence[str]) -> list[Path]:
+    """mutmut's files that carry its verdicts, relative to ``copy``: each mutated file's
+    ``.meta`` (exit code per mutant, hash per function) and the test statistics."""
+    return [Path("mutants") / f"{rel}.meta" for rel in files] + \
+        [Path("mutants") / "mutmut-stats.json"]
+
+
+def seed_state(copy: Path, part: str, files: Sequence[str], state: Path = STATE) -> bool:
+    """A fresh copy of ``part`` starts from the verdicts kept in ``state/part`` (a run stopped
+    in an earlier session continues): mutmut keeps a kept exit code only where the function's
+    source hash is unchanged, so a changed function is retested.  Returns whether it seeded."""
+    rels = _state_files(copy, files)
+    if any((copy / r).exists() for r in rels) or not all(
+            (state / part / r.name).is_file() for r in rels):
+        return False
+    for r in rels:
+        (copy / r).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(state / part / r.name, copy / r)
+    return True
+
+
+def save_state(copy: Path, part: str, files: Sequence[str], state: Path = STATE) -> None:
+    """Keep ``part``'s verdicts in ``state/part`` (also for an unfinished run:
+    ``--save-state``)."""
+    for r in _state_files(copy, files):
+        if (copy / r).is_file():
+            (state / part).mkdir(parents=True, exist_ok=True)
+            shutil.copy2(copy / r, state / part / r.name)
+
+
 def child_env(copy: Path | None, profile: str, record: Path | None) -> dict[str, str]:
     """Environment of the test runs: the copy's src first on the path, the plugin importable,
     one intra-op thread (the machine is shared), no bytecode written into the copies."""
@@ -1323,8 +1357,14 @@ def run_mutmut(*, files: Sequence[str] | None, profile: str, retry_profile: str 
     record = work / "killed_by"
     env = child_env(None, profile, record)
     cmd = [sys.executable, "-m", "mutmut", "run", "--max-children", str(max_children)]
-    progress(f"  mutmut run ({', '.join(cfg.get('only_mutate', []))}; profile {profile})")
-    p = run_proc(cmd, copy, env, timeout, log)
+    mutated = cfg.get("only_mutate", [])
+    if seed_state(copy, part, mutated):
+        progress(f"  continuing from the verdicts kept in {STATE.relative_to(REPO)}/{part}")
+    progress(f"  mutmut run ({', '.join(mutated)}; profile {profile})")
+    try:
+        p = run_proc(cmd, copy, env, timeout, log)
+    finally:
+        save_state(copy, part, mutated)
     if p.rc is None:
         raise BadInput(f"mutmut run did not finish within {timeout:.0f} s (raise "
                        "--mutmut-timeout)")
@@ -1346,7 +1386,11 @@ def run_mutmut(*, files: Sequence[str] | None, profile: str, retry_profile: str 
         progress(f"  retrying {len(survivors)} survivors with profile {retry_profile}")
         for lo in range(0, len(survivors), 50):
             chunk = survivors[lo:lo + 50]
-            p2 = run_proc(cmd + chunk, copy, child_env(None, retry_profile, record), timeout, log)
+            try:
+                p2 = run_proc(cmd + chunk, copy, child_env(None, retry_profile, record),
+                              timeout, log)
+            finally:
+                save_state(copy, part, mutated)
             if p2.rc is None or p2.rc != 0:
                 raise BadInput(f"mutmut retry failed (exit {p2.rc}):\n{p2.output[-3000:]}")
         retried = survivors
@@ -1727,6 +1771,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
                     help="only re-render report.md from the report.json in --out")
     ap.add_argument("--no-report", action="store_true", help="do not write the report")
     ap.add_argument("--keep", action="store_true", help="keep the temporary copies")
+    ap.add_argument("--save-state", action="store_true",
+                    help="only copy the --work copies' mutmut verdicts of --mutmut-part into "
+                         "mutation/state/ (for a run that is still going or was stopped)")
     a = ap.parse_args(list(argv))
     a.parts = [p.strip() for p in (a.mutmut_part or "mutmut").split(",") if p.strip()]
     bad = [p for p in a.parts if p not in MUTMUT_PARTS]
@@ -1770,6 +1817,13 @@ def main(argv: Sequence[str] | None = None, mutants: Sequence[Mutant] = MUTANTS)
                 raise BadInput(f"--render: {src} does not exist")
             rep = json.loads(src.read_text(encoding="utf-8"))
             (Path(a.out) / "report.md").write_text(render_markdown(rep), encoding="utf-8")
+            return 0
+        if a.save_state:
+            if not a.work or not a.mutmut_part:
+                raise BadInput("--save-state needs --work and --mutmut-part")
+            for part in a.parts:
+                cfg = {**mutmut_config(), **MUTMUT_PARTS[part]}
+                save_state(Path(a.work).resolve() / part, part, cfg.get("only_mutate", []))
             return 0
         if not a.semantic and not a.mutmut:
             a.semantic = a.mutmut = True
