@@ -128,12 +128,15 @@ MUTMUT_PARTS: dict[str, dict[str, Any]] = {
             "tests/test_verdicts.py::test_builtin_max_drops_nan_but_worst_does_not",
             "tests/test_verdicts.py::test_pass_predicate_fails_nan_and_inf",
             "tests/test_protocol.py::test_paper_setup_detection"]},
+    # realchecks.py: every function; the fast subset replays a frozen tiny validate run's calls
+    # (tests/test_realchecks_frozen.py: the claims and the 50-digit oracle rows against the
+    # references, seconds) and the QK-norm heads' checks (the frozen model has none)
     "mutmut-realchecks": {
         "only_mutate": ["src/ropestep/realchecks.py"], "also_copy": ["validation", "docs"],
         "pytest_add_cli_args_test_selection": [
-            "tests/models/test_realchecks.py", "tests/test_reference_real_heads.py",
-            "tests/test_reference_positional.py",
-            "-k", "not two_real_smollm2 and not planted_bug"]},
+            "tests/test_realchecks_frozen.py", "tests/models/test_realchecks.py",
+            "-k", "frozen or qknorm or gemma3_gain or norm_scope or sample_rows "
+                  "or normalised_bound or bad_input"]},
 }
 
 

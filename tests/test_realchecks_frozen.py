@@ -1,0 +1,199 @@
+"""``validate``'s real-head checks (:mod:`ropestep.realchecks`) against the reference, replayed
+on a frozen run: no corpus, tokenizer or capture per call.
+
+``protocol.run`` captures each context once and hands every (context, layer) to
+:func:`ropestep.protocol.real_checks` (``positive_coefficients`` everywhere; ``conventions``,
+``rank``, ``no_global_readout``, ``position_derivative`` and ``position_shift`` on the first
+context) and the sampled oracle rows to :func:`ropestep.protocol.oracle_job`
+(:func:`ropestep.realchecks.exact_rows`, 50 digits).  ``tests/test_reference_real_heads.py`` and
+``tests/test_reference_positional.py`` check every leaf those produce against the references
+(``ropestep.reference.real_heads`` and ``.positional``, written from docs/protocol.md alone) on a
+whole tiny run.
+
+Here the same run is frozen: ``tests/data/realchecks_tiny_calls.pt`` holds, for the seeded
+model and command of ``test_reference_real_heads`` (two oracle rows), the arguments of every
+``real_checks`` and ``oracle_job`` call (the model itself, pickled, and the captured context),
+what the rest of the run pooled, the report the run wrote and the references' recomputation
+from its ``--dump-raw`` dump.  The test replays the calls with today's ``realchecks``, pools the
+records as the run does and compares every leaf with the references under the tolerances and
+leaf classes of ``test_reference_validate`` (which delegates these sections to the two
+reference test modules): the expected values come from the references, never from the code
+under test.
+
+It takes seconds, which makes it the first test mutation testing runs on ``realchecks``
+(``tools/mutants.py``, part ``mutmut-realchecks``).  After a change to what the checks receive or
+to a reference, rebuild the file with ``ROPESTEP_REGEN_GOLDEN=1 pytest
+tests/test_realchecks_frozen.py`` and review the printed counts.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from ropestep import cli, protocol
+from ropestep.reference import validate as reference
+from ropestep.report import dumps, load
+from ropestep.verdict import loads
+from test_reference_contexts import contexts_reference
+from test_reference_real_heads import ARGS
+from test_reference_validate import build_model, compare, undecided
+
+pytestmark = pytest.mark.model
+
+DATA = Path(__file__).resolve().parent / "data" / "realchecks_tiny_calls.pt"
+
+
+def _generate(root: Path) -> dict:
+    """The tiny run of test_reference_real_heads, recording the checks' calls."""
+    seen: dict = {"per_layer": [], "checks": [], "oracle": []}
+    real_checks, oracle_job = protocol.real_checks, protocol.oracle_job
+    summarize_layer = protocol.summarize_layer
+
+    def rec_checks(model, spec, weights, cap, layer, context, seed, *, claims=True, raw=None):
+        out = real_checks(model, spec, weights, cap, layer, context, seed, claims=claims,
+                          raw=raw)
+        seen["checks"].append({"args": (spec, weights, cap, layer, context, seed),
+                               "claims": claims, "record": out})  # exact_rows added later
+        seen["model"] = model
+        return out
+
+    def rec_oracle(spec, weights, x_prefix, rows):
+        seen["oracle"].append((spec, weights, x_prefix, list(rows)))
+        return oracle_job(spec, weights, x_prefix, rows)
+
+    def rec_layer(ctxs, heads, n_heads):
+        seen["per_layer"].append((ctxs, list(heads), n_heads))
+        return summarize_layer(ctxs, heads, n_heads)
+
+    model = build_model(root / "model")
+    argv = ["validate", "--model", str(model), *ARGS, "--quiet", "--no-figures",
+            "--out", str(root / "validate"), "--dump-raw", str(root / "raw")]
+    protocol.real_checks, protocol.oracle_job = rec_checks, rec_oracle
+    protocol.summarize_layer = rec_layer
+    old_inline = os.environ.get("ROPESTEP_ORACLE_INLINE")
+    os.environ["ROPESTEP_ORACLE_INLINE"] = "1"  # the oracle rows in this process, recorded
+    try:
+        assert cli.main(argv) == 0
+    finally:
+        protocol.real_checks, protocol.oracle_job = real_checks, oracle_job
+        protocol.summarize_layer = summarize_layer
+        if old_inline is None:
+            os.environ.pop("ROPESTEP_ORACLE_INLINE")
+        else:
+            os.environ["ROPESTEP_ORACLE_INLINE"] = old_inline
+    report = load(root / "validate" / "report.json")
+    assert len(seen["oracle"]) >= 2 * len(report["layers"]) // 2
+    return {**seen, "layers": list(report["layers"]), "report": report,
+            "ref": reference.recompute(root / "raw"),
+            "contexts": contexts_reference(root / "raw", str(model))}
+
+
+@pytest.fixture(scope="module")
+def frozen(tmp_path_factory) -> dict:
+    if os.environ.get("ROPESTEP_REGEN_GOLDEN"):
+        data = _generate(tmp_path_factory.mktemp("realchecks_calls"))
+        DATA.parent.mkdir(parents=True, exist_ok=True)
+        torch.save(data, DATA)
+    return torch.load(DATA, weights_only=False)
+
+
+def _by_layer(frozen: dict, records: list[dict]) -> dict[int, list[dict]]:
+    real: dict[int, list[dict]] = {}
+    for call, rec in zip(frozen["checks"], records):
+        real.setdefault(call["args"][3], []).append(rec)
+    return real
+
+
+def _with_rows(real: dict[int, list[dict]]) -> list[tuple[int, int]]:
+    """The (layer, context index) of each record with oracle rows, in the order the run made
+    the oracle jobs (context-major, then layer)."""
+    n = max(len(v) for v in real.values())
+    return [(L, k) for k in range(n) for L in sorted(real)
+            if k < len(real[L]) and real[L][k].get("exact_rows") is not None]
+
+
+@pytest.fixture(scope="module")
+def replayed_checks(frozen) -> dict:
+    """Every ``real_checks`` call replayed with today's code, ``{layer: [record per context]}``,
+    with the run's own oracle rows (replayed on their own below: 50 digits cost ~1 s)."""
+    records = []
+    for call in frozen["checks"]:
+        spec, w, cap, L, c, seed = call["args"]
+        rec = protocol.real_checks(frozen["model"], spec, w, cap, L, c, seed,
+                                   claims=call["claims"])
+        if call["record"].get("exact_rows") is not None:
+            rec["exact_rows"] = call["record"]["exact_rows"]
+        records.append(rec)
+    return _by_layer(frozen, records)
+
+
+@pytest.fixture(scope="module")
+def replayed_rows(frozen) -> dict:
+    """The run's records with every oracle job replayed with today's code in place of its
+    rows."""
+    real = _by_layer(frozen, [dict(call["record"]) for call in frozen["checks"]])
+    places = _with_rows(real)
+    assert len(places) == len(frozen["oracle"]) >= 2
+    for (L, k), job in zip(places, frozen["oracle"]):
+        real[L][k]["exact_rows"] = protocol.oracle_job(*job)
+    return real
+
+
+def pooled(frozen: dict, real: dict) -> dict:
+    rep = loads(dumps(frozen["report"]))
+    for L, (ctxs, heads, n_heads) in zip(frozen["layers"], frozen["per_layer"]):
+        rep["layers"][L] = protocol.summarize_layer(ctxs, heads, n_heads)
+        rep["layers"][L]["real_heads"] = protocol.summarize_real_checks(real[int(L)])
+    out = loads(dumps(rep))
+    out["verdict"] = loads(dumps(protocol.verdict_block(out)))
+    return out
+
+
+def _agrees(frozen: dict, real: dict) -> dict:
+    assert not undecided(frozen["ref"]), "the frozen run has decisions at their thresholds"
+    rep = pooled(frozen, real)
+    problems, counts = compare(rep, frozen["ref"], frozen["contexts"])
+    print("leaves:", counts)
+    assert not problems, f"{len(problems)} leaves disagree:\n" + "\n".join(problems[:40])
+    assert counts["delegated"] > 300
+    assert rep["verdict"]["pass"]
+    return rep
+
+
+def test_the_replayed_checks_agree_with_the_references(frozen, replayed_checks):
+    rep = _agrees(frozen, replayed_checks)
+    for L in frozen["layers"]:
+        first = rep["layers"][L]["real_heads"]["per_context"][0]
+        for check in ("conventions", "rank", "no_global_readout", "position_derivative",
+                      "position_shift", "positive_coefficients"):
+            assert first[check] is not None, (L, check)
+
+
+def test_the_replayed_oracle_rows_agree_with_the_reference(frozen, replayed_rows):
+    rep = _agrees(frozen, replayed_rows)
+    rows = [r for L in frozen["layers"]
+            for r in rep["layers"][L]["real_heads"]["per_context"] if r.get("exact_rows")]
+    assert len(rows) == len(frozen["oracle"])
+
+
+def _untimed(x):
+    if isinstance(x, dict):
+        return {k: _untimed(v) for k, v in x.items()
+                if not (k.endswith("_seconds") or k.endswith("_s"))}
+    if isinstance(x, list):
+        return [_untimed(v) for v in x]
+    return x
+
+
+@pytest.mark.parametrize("which", ["replayed_checks", "replayed_rows"])
+def test_the_committed_run_wrote_what_the_replay_pools_to(frozen, which, request):
+    """The frozen report is the pooling of the frozen calls (the file is one run's): the
+    claims' sections, timings aside, as written."""
+    rep = pooled(frozen, request.getfixturevalue(which))
+    written = loads(dumps(frozen["report"]))
+    for L in frozen["layers"]:
+        assert _untimed(rep["layers"][L]["real_heads"]) == \
+            _untimed(written["layers"][L]["real_heads"])
