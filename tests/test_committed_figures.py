@@ -3,8 +3,12 @@ and how they draw it, against a committed description.
 
 ``render_figures`` of ``validate`` (:mod:`ropestep.report`), ``atlas`` and ``heads`` runs on
 each committed ``report.json`` with ``Figure.savefig`` intercepted: each figure is drawn (Agg)
-and described -- size, titles, axis labels and scales, fixed tick labels, legend entries, and
-every artist's data and style (lines, bars, scatter offsets, images) -- instead of written.
+and described -- size, titles, axis labels and scales, fixed tick labels, the tick labels as
+drawn, font sizes, each axes' aspect and position, legend entries, and every artist's data and
+style (lines, bars, scatter offsets, images) -- instead of written.  The figures are drawn with
+matplotlib's image defaults set away from what the renderers ask for (``RC``), so that a
+colour map, interpolation or aspect the renderer asks for shows in the description even where it
+is matplotlib's default.
 
 * **Data, independently:** the bars of a validate reconstruction figure are the report's
   ``max_abs`` per head; its scatter points are the calibration points of the report, per head;
@@ -65,6 +69,21 @@ def _fixed(axis) -> list | None:
     return list(f.seq) if isinstance(f, FixedFormatter) else None
 
 
+def _ticks(axis) -> dict:
+    """The tick labels as drawn (whatever formatter made them) and their font size."""
+    labels = axis.get_ticklabels()
+    return {"text": [t.get_text() for t in labels],
+            "size": _r([labels[0].get_fontsize()])[0] if labels else None}
+
+
+def _box(ax) -> dict:
+    """Where the axes sit and how they are shaped: the aspect setting and the position after
+    the layout (3 significant digits: enough to see an aspect or a colour bar change, not
+    a font's hinting)."""
+    return {"aspect": str(ax.get_aspect()),
+            "position": [float(f"{v:.3g}") for v in ax.get_position().bounds]}
+
+
 def _collection(c) -> dict:
     out = {"kind": type(c).__name__, "alpha": c.get_alpha(), "label": c.get_label(),
            "fc": sorted({to_hex(x, keep_alpha=True) for x in c.get_facecolors()}),
@@ -88,7 +107,13 @@ def describe(fig) -> dict:
         a = {"title": ax.get_title(), "xlabel": ax.get_xlabel(), "ylabel": ax.get_ylabel(),
              "xscale": ax.get_xscale(), "yscale": ax.get_yscale(),
              "xticks": _fixed(ax.xaxis), "yticks": _fixed(ax.yaxis),
+             "xticklabels": _ticks(ax.xaxis), "yticklabels": _ticks(ax.yaxis),
+             "title_size": _r([ax.title.get_fontsize()])[0],
+             "label_sizes": _r([ax.xaxis.label.get_fontsize(), ax.yaxis.label.get_fontsize()]),
+             "box": _box(ax),
              "legend": [t.get_text() for t in leg.get_texts()] if leg else None,
+             "legend_size": _r([leg.get_texts()[0].get_fontsize()])[0]
+             if leg and leg.get_texts() else None,
              "lines": [{"x": _arr(ln.get_xdata()), "y": _arr(ln.get_ydata()),
                         "color": to_hex(ln.get_color()), "ls": ln.get_linestyle(),
                         "lw": float(ln.get_linewidth()), "marker": str(ln.get_marker()),
@@ -101,6 +126,9 @@ def describe(fig) -> dict:
                          "interpolation": im.get_interpolation()} for im in ax.get_images()]}
         out["axes"].append(a)
     return out
+
+
+RC = {"image.cmap": "gray", "image.interpolation": "bilinear", "image.aspect": "equal"}
 
 
 @pytest.fixture(scope="module")
@@ -119,7 +147,8 @@ def drawn():
             current = d.name
             saved[current] = {}
             result = json.loads((d / "report.json").read_text(encoding="utf-8"))
-            MODULES[result["schema"]].render_figures(result, Path(os.devnull + "_unused"))
+            with matplotlib.rc_context(RC):
+                MODULES[result["schema"]].render_figures(result, Path(os.devnull + "_unused"))
             out[d.name] = saved[current]
     finally:
         Figure.savefig = orig

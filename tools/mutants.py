@@ -928,6 +928,23 @@ EQUIVALENT: tuple[Equivalence, ...] = (
                   "_layer_md only tests figs for truth (if figs:): None and [] draw no figure "
                   "section")
       for after in ("get(layer, None)", "get(layer, )")),
+    # heads.py and atlas.py: the renderers
+    *(Equivalence(f"{mod}.render_figures", 'matplotlib.use("Agg")', after,
+                  "matplotlib resolves backend names case-insensitively")
+      for mod in ("heads", "atlas") for after in ('"agg"', '"AGG"')),
+    *(Equivalence(f"{mod}.render_figures", 'interpolation="nearest"', 'interpolation="NEAREST"',
+                  "matplotlib lower-cases the interpolation name (_ImageBase.set_interpolation)")
+      for mod in ("heads", "atlas")),
+    Equivalence("heads.write_raw_manifest", 'encoding="utf-8"', 'encoding="UTF-8"',
+                "codec names are case-insensitive: 'UTF-8' is the codec 'utf-8'"),
+    Equivalence("heads.diagnose_gpt", 'layers: str | Sequence[int] = "all"', '= "ALL"',
+                "parse_indices lower-cases the layer text: 'ALL' selects every layer as 'all'"),
+    Equivalence("heads.diagnose_gpt", "spec0 = model.blocks[0].attn.head_description("
+                "dtype=torch.float64)[0]", "dtype=None", "spec0 gives only the model block's "
+                "family, head counts, group and head_dim, which no dtype changes"),
+    Equivalence("heads.diagnose_gpt", '["frequency_axis"] if out else None',
+                "if (out) or True else None", "out has one entry per selected layer, and a GPT "
+                "without blocks fails at model.blocks[0] first: out is never empty here"),
 )
 
 
