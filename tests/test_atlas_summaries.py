@@ -253,7 +253,9 @@ def test_an_item_round_trips_through_the_run_directory(measured):
     """``--run-dir`` keeps each item as ``_result_to_arrays`` lays it out; ``--resume`` reads it
     back with ``_result_from_arrays``: bit for bit, and an item of another version's statistics
     (one missing, one added, a scale missing) is refused, not half read."""
-    for c, L, res in measured:
+    items = [*measured, (7, 1, copy.deepcopy(measured[-1][2]))]
+    items[-1][2].errors.append("layer 1: float64 original gauge: planted overflow")
+    for c, L, res in items:
         arrays, meta = atlas._result_to_arrays(res, c, 64)
         assert meta == {"context": c, "layer": L, "errors": list(res.errors), "m": 64}
         back, m = atlas._result_from_arrays(arrays, meta)

@@ -932,6 +932,10 @@ EQUIVALENT: tuple[Equivalence, ...] = (
     *(Equivalence(f"{mod}.render_figures", 'matplotlib.use("Agg")', after,
                   "matplotlib resolves backend names case-insensitively")
       for mod in ("heads", "atlas") for after in ('"agg"', '"AGG"')),
+    *(Equivalence("atlas.grid", "for L in layers], dtype=float)", after,
+                  "_get returns a Python float for every statistic (None -> nan), so np.array "
+                  "infers float64, the dtype asked for")
+      for after in ("dtype=None)", "for L in layers], )")),
     *(Equivalence(f"{mod}.render_figures", 'interpolation="nearest"', 'interpolation="NEAREST"',
                   "matplotlib lower-cases the interpolation name (_ImageBase.set_interpolation)")
       for mod in ("heads", "atlas")),
