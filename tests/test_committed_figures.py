@@ -131,28 +131,30 @@ def describe(fig) -> dict:
 RC = {"image.cmap": "gray", "image.interpolation": "bilinear", "image.aspect": "equal"}
 
 
-@pytest.fixture(scope="module")
-def drawn():
-    """``{report dir: {figure file name: (description, figure)}}``."""
-    saved: dict = {}
+_DRAWN: dict[str, dict] = {}
 
-    def capture(self, fname, *args, **kwargs):
-        saved[current][Path(fname).name] = describe(self)
 
-    out = {}
-    orig = Figure.savefig
-    Figure.savefig = capture
-    try:
-        for d in REPORTS:
-            current = d.name
-            saved[current] = {}
-            result = json.loads((d / "report.json").read_text(encoding="utf-8"))
+def drawn(name: str) -> dict:
+    """``{figure file name: description}`` of the committed report ``validation/<name>``, drawn
+    once per test session (each report on its own: a test of one command's figures draws only
+    that command's)."""
+    if name not in _DRAWN:
+        saved: dict = {}
+
+        def capture(self, fname, *args, **kwargs):
+            saved[Path(fname).name] = describe(self)
+
+        result = json.loads((ROOT / "validation" / name / "report.json").read_text(
+            encoding="utf-8"))
+        orig = Figure.savefig
+        Figure.savefig = capture
+        try:
             with matplotlib.rc_context(RC):
                 MODULES[result["schema"]].render_figures(result, Path(os.devnull + "_unused"))
-            out[d.name] = saved[current]
-    finally:
-        Figure.savefig = orig
-    return out
+        finally:
+            Figure.savefig = orig
+        _DRAWN[name] = saved
+    return _DRAWN[name]
 
 
 def test_the_figures_cover_each_command():
@@ -160,29 +162,32 @@ def test_the_figures_cover_each_command():
                   for d in REPORTS) == sorted(MODULES)
 
 
-def test_figures_against_the_golden_description(drawn):
+@pytest.mark.parametrize("name", [d.name for d in REPORTS])
+def test_figures_against_the_golden_description(name):
+    got_all = drawn(name)
     if os.environ.get("ROPESTEP_REGEN_GOLDEN"):
+        golden = json.loads(GOLDEN.read_text(encoding="utf-8")) if GOLDEN.is_file() else {}
+        golden[name] = got_all
         GOLDEN.parent.mkdir(parents=True, exist_ok=True)
-        GOLDEN.write_text(json.dumps(drawn, indent=0, sort_keys=True) + "\n", encoding="utf-8")
+        GOLDEN.write_text(json.dumps(golden, indent=0, sort_keys=True) + "\n", encoding="utf-8")
     golden = json.loads(GOLDEN.read_text(encoding="utf-8"))
-    assert sorted(drawn) == sorted(golden), "the reports with figures changed"
-    for d in golden:
-        assert sorted(drawn[d]) == sorted(golden[d]), f"{d}: the figure files changed"
-        for name in golden[d]:
-            got = json.loads(json.dumps(drawn[d][name]))
-            assert got == golden[d][name], f"{d}/figures/{name} draws something else"
+    assert sorted(golden) == sorted(d.name for d in REPORTS), "the reports with figures changed"
+    assert sorted(got_all) == sorted(golden[name]), f"{name}: the figure files changed"
+    for fig in golden[name]:
+        got = json.loads(json.dumps(got_all[fig]))
+        assert got == golden[name][fig], f"{name}/figures/{fig} draws something else"
 
 
 def _validate_result(name: str) -> dict:
     return json.loads((ROOT / "validation" / name / "report.json").read_text(encoding="utf-8"))
 
 
-def test_validate_figures_draw_the_reports_numbers(drawn):
+def test_validate_figures_draw_the_reports_numbers():
     """Bars = the reconstruction table's max_abs; scatter = the calibration points."""
     for d in [d for d in REPORTS if _validate_result(d.name)["schema"] == "ropestep.validate/1"]:
         r = _validate_result(d.name)
         for layer, lr in r["layers"].items():
-            rec = drawn[d.name][f"reconstruction_L{layer}.png"]["axes"][0]
+            rec = drawn(d.name)[f"reconstruction_L{layer}.png"]["axes"][0]
             rows = lr["reconstruction"]["per_head"] + [lr["reconstruction"]["combined"]]
             for k, key in enumerate(("prefix", "full", "native")):
                 want = [max(float(row[key]["max_abs"]), 1e-300) for row in rows]
@@ -191,7 +196,7 @@ def test_validate_figures_draw_the_reports_numbers(drawn):
             pts = lr["calibration"]["points"]
             rel = np.array([np.nan if v is None else float(v) for v in pts["rel"]])
             heads_ = np.asarray(pts["head"])
-            ax0 = drawn[d.name][f"reuse_vs_distance_L{layer}.png"]["axes"][0]
+            ax0 = drawn(d.name)[f"reuse_vs_distance_L{layer}.png"]["axes"][0]
             sc = np.array([np.nan if v is None else float(v) for v in pts["score_sup"]])
             for k, h in enumerate(sorted(set(heads_.tolist()))):
                 sel = (heads_ == h) & np.isfinite(rel) & (rel > 0) & np.isfinite(sc) & (sc > 0)
@@ -201,10 +206,10 @@ def test_validate_figures_draw_the_reports_numbers(drawn):
                 assert ax0["collections"][k]["label"] == f"h{h}"
 
 
-def test_atlas_per_layer_medians_recomputed(drawn):
+def test_atlas_per_layer_medians_recomputed():
     for d in [d for d in REPORTS if _validate_result(d.name)["schema"] == "ropestep.atlas/1"]:
         r = _validate_result(d.name)
-        fig = drawn[d.name]["per_layer.png"]["axes"]
+        fig = drawn(d.name)["per_layer.png"]["axes"]
         layers = sorted(int(k) for k in r["layers"])
 
         def col(path, how):
