@@ -37,6 +37,20 @@ def leaves(x: Any, path: tuple = ()) -> Iterator[tuple[tuple, Any]]:
         yield path, x
 
 
+def decisions(x: Any) -> Any:
+    """``x`` with each finite float replaced by ``"float"``: what of a report does not depend on
+    the summation order a BLAS picks (its structure, counts, flags, labels, and where a value is
+    NaN, infinite or absent).  Two runs of the same code on different machines agree in it
+    where their decisions lie clear of their thresholds (the reference tests' ``undecided``)."""
+    if isinstance(x, dict):
+        return {k: decisions(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [decisions(v) for v in x]
+    if isinstance(x, float) and math.isfinite(x):
+        return "float"
+    return repr(x) if isinstance(x, float) else x
+
+
 def at(tree: Any, path: tuple) -> Any:
     """The subtree at ``path``."""
     for p in path:

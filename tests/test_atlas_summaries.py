@@ -38,7 +38,9 @@ import torch
 from ropestep import atlas, tolerances
 from ropestep.report import dumps
 from ropestep.verdict import loads
-from test_reference_atlas import (TINY_ARGS, build_model, compare, run_case, undecided)
+from reference_walk import decisions
+from reference_walk import one_torch_thread  # noqa: F401  (autouse, module scope)
+from test_reference_atlas import TINY_ARGS, build_model, compare, run_case, undecided
 
 pytestmark = pytest.mark.model
 
@@ -118,13 +120,13 @@ def test_the_frozen_items_measure_and_pool_to_the_reference(frozen, measured):
 
 
 def test_the_committed_run_wrote_what_the_frozen_items_pool_to(frozen, measured):
-    """The frozen report is the pooling of the frozen items (the file is one run's), the
-    float64 statistics bit for bit: the measurement is deterministic on one machine."""
+    """The frozen report is the pooling of the frozen items (the file is one run's): the same
+    sections, counts, flags and verdict, and the same counted work (the floats themselves are
+    this machine's rounding, compared with the reference above)."""
     rep = pooled(frozen, measured, cost=True)
     written = loads(dumps(frozen["report"]))
-    assert rep["replication_style_descent"] == written["replication_style_descent"]
-    assert rep["verdict"] == written["verdict"]
-    assert set(rep["layers"]) == set(written["layers"])
+    for k in ("layers", "replication_style_descent", "verdict"):
+        assert decisions(rep[k]) == decisions(written[k]), k
     assert {k: v["flops"] for k, v in rep["cost"]["phases"].items()} == \
         {k: v["flops"] for k, v in written["cost"]["phases"].items()}
 
