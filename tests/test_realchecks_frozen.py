@@ -27,13 +27,17 @@ tests/test_realchecks_frozen.py`` and review the printed counts.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from ropestep import cli, protocol
+from ropestep.reference import positional
 from ropestep.reference import validate as reference
 from ropestep.report import dumps, load
 from ropestep.verdict import loads
@@ -88,7 +92,9 @@ def _generate(root: Path) -> dict:
             os.environ["ROPESTEP_ORACLE_INLINE"] = old_inline
     report = load(root / "validate" / "report.json")
     assert len(seen["oracle"]) >= 2 * len(report["layers"]) // 2
-    return {**seen, "layers": list(report["layers"]), "report": report,
+    raw_files = {str(p.relative_to(root / "raw")): p.read_bytes()
+                 for p in sorted((root / "raw").rglob("*")) if p.is_file()}
+    return {**seen, "layers": list(report["layers"]), "report": report, "raw_files": raw_files,
             "ref": reference.recompute(root / "raw"),
             "contexts": contexts_reference(root / "raw", str(model))}
 
@@ -118,18 +124,53 @@ def _with_rows(real: dict[int, list[dict]]) -> list[tuple[int, int]]:
 
 
 @pytest.fixture(scope="module")
-def replayed_checks(frozen) -> dict:
-    """Every ``real_checks`` call replayed with today's code, ``{layer: [record per context]}``,
-    with the run's own oracle rows (replayed on their own below: 50 digits cost ~1 s)."""
-    records = []
+def replayed(frozen) -> tuple[dict, dict]:
+    """Every ``real_checks`` call replayed with today's code: ``({layer: [record per
+    context]}, {(context, layer): what conventions read of the model})``, with the run's own
+    oracle rows (replayed on their own below: 50 digits cost ~1 s)."""
+    records, raws = [], {}
     for call in frozen["checks"]:
         spec, w, cap, L, c, seed = call["args"]
+        raw = {} if call["claims"] else None
         rec = protocol.real_checks(frozen["model"], spec, w, cap, L, c, seed,
-                                   claims=call["claims"])
+                                   claims=call["claims"], raw=raw)
+        if raw:
+            raws[(c, L)] = raw
         if call["record"].get("exact_rows") is not None:
             rec["exact_rows"] = call["record"]["exact_rows"]
         records.append(rec)
-    return _by_layer(frozen, records)
+    return _by_layer(frozen, records), raws
+
+
+@pytest.fixture(scope="module")
+def replayed_checks(frozen, replayed, tmp_path_factory) -> tuple[dict, Any]:
+    """The replayed records, and the references with the model's side as this machine's
+    float32 arithmetic computed it in the replay.
+
+    ``conventions`` compares ropestep's float64 reading of a layer with the model's own float32
+    projections; the reference recomputes it from the dumped model side.  Under another BLAS
+    code path the replay's model side differs from the frozen run's by float32 rounding, so its
+    reference is recomputed (``ropestep.reference.positional``) from the frozen dump with the
+    replay's model side in place -- after checking that side against the frozen run's within
+    the check's own float32 tolerance (a replay that read something else of the model fails
+    there)."""
+    real, raws = replayed
+    root = tmp_path_factory.mktemp("raw")
+    for rel, data in frozen["raw_files"].items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_bytes(data)
+    dtype = protocol.DTYPES[frozen["report"]["config"]["dtype"]]
+    for (c, L), raw in raws.items():
+        item = root / f"context{c}_layer{L}_model.safetensors"
+        before = load_file(str(item))
+        rh = frozen["report"]["layers"][str(L)]["real_heads"]
+        tol = rh["per_context"][c]["conventions"]["tolerance_max"]
+        for k in ("query", "key", "value"):
+            a, b = raw[k].to(dtype).double(), before[k].double()
+            assert float((a - b).abs().max()) <= tol * float(b.abs().max()), (c, L, k)
+        protocol.dump_model_item(root, c, L, raw, dtype)
+    ref = dataclasses.replace(frozen["ref"], positional=positional.recompute(root))
+    return real, ref
 
 
 @pytest.fixture(scope="module")
@@ -154,10 +195,11 @@ def pooled(frozen: dict, real: dict) -> dict:
     return out
 
 
-def _agrees(frozen: dict, real: dict) -> dict:
-    assert not undecided(frozen["ref"]), "the frozen run has decisions at their thresholds"
+def _agrees(frozen: dict, real: dict, ref: Any = None) -> dict:
+    ref = frozen["ref"] if ref is None else ref
+    assert not undecided(ref), "the frozen run has decisions at their thresholds"
     rep = pooled(frozen, real)
-    problems, counts = compare(rep, frozen["ref"], frozen["contexts"])
+    problems, counts = compare(rep, ref, frozen["contexts"])
     print("leaves:", counts)
     assert not problems, f"{len(problems)} leaves disagree:\n" + "\n".join(problems[:40])
     assert counts["delegated"] > 300
@@ -166,7 +208,7 @@ def _agrees(frozen: dict, real: dict) -> dict:
 
 
 def test_the_replayed_checks_agree_with_the_references(frozen, replayed_checks):
-    rep = _agrees(frozen, replayed_checks)
+    rep = _agrees(frozen, *replayed_checks)
     for L in frozen["layers"]:
         first = rep["layers"][L]["real_heads"]["per_context"][0]
         for check in ("conventions", "rank", "no_global_readout", "position_derivative",
@@ -186,7 +228,8 @@ def test_the_committed_run_wrote_what_the_replay_pools_to(frozen, which, request
     """The frozen report is the pooling of the frozen calls (the file is one run's): the same
     sections, counts, flags and labels (the floats are this machine's rounding, compared with
     the references above)."""
-    rep = pooled(frozen, request.getfixturevalue(which))
+    real = request.getfixturevalue(which)
+    rep = pooled(frozen, real[0] if which == "replayed_checks" else real)
     written = loads(dumps(frozen["report"]))
     for L in frozen["layers"]:
         assert decisions(rep["layers"][L]["real_heads"]) == \
