@@ -1357,7 +1357,7 @@ def _mutmut_statuses(copy: Path) -> dict[str, int | None]:
 
 def run_mutmut(*, files: Sequence[str] | None, profile: str, retry_profile: str | None,
                max_children: int, timeout: float, work: Path, log=None,
-               progress=print, part: str = "mutmut") -> dict:
+               progress=print, part: str = "mutmut", retry_only: bool = False) -> dict:
     """mutmut on a copy (``work/part``; a kept ``--work`` copy is reused, so mutmut reruns only
     the functions that changed and the tests that are new); survivors retried with
     ``retry_profile``; returns the part."""
@@ -1384,16 +1384,19 @@ def run_mutmut(*, files: Sequence[str] | None, profile: str, retry_profile: str 
     mutated = cfg.get("only_mutate", [])
     if seed_state(copy, part, mutated):
         progress(f"  continuing from the verdicts kept in {STATE.relative_to(REPO)}/{part}")
-    progress(f"  mutmut run ({', '.join(mutated)}; profile {profile})")
-    try:
-        p = run_proc(cmd, copy, env, timeout, log)
-    finally:
-        save_state(copy, part, mutated)
-    if p.rc is None:
-        raise BadInput(f"mutmut run did not finish within {timeout:.0f} s (raise "
-                       "--mutmut-timeout)")
-    if p.rc != 0:
-        raise BadInput(f"mutmut run failed (exit {p.rc}):\n{p.output[-3000:]}")
+    if retry_only:  # the survivors of an unfinished pass, with the tests added since
+        progress(f"  no pass: the survivors so far of {', '.join(mutated)} retried")
+    else:
+        progress(f"  mutmut run ({', '.join(mutated)}; profile {profile})")
+        try:
+            p = run_proc(cmd, copy, env, timeout, log)
+        finally:
+            save_state(copy, part, mutated)
+        if p.rc is None:
+            raise BadInput(f"mutmut run did not finish within {timeout:.0f} s (raise "
+                           "--mutmut-timeout)")
+        if p.rc != 0:
+            raise BadInput(f"mutmut run failed (exit {p.rc}):\n{p.output[-3000:]}")
     codes = _mutmut_statuses(copy)
     first_pass = {k: status_by_exit_code[v] for k, v in codes.items()}
     diffs: dict[str, dict] = {}
@@ -1795,6 +1798,10 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
                     help="only re-render report.md from the report.json in --out")
     ap.add_argument("--no-report", action="store_true", help="do not write the report")
     ap.add_argument("--keep", action="store_true", help="keep the temporary copies")
+    ap.add_argument("--retry-only", action="store_true",
+                    help="no pass: retry the survivors so far of an unfinished --work copy by "
+                         "name (with the tests added since), keep the verdicts; with "
+                         "--no-report (the part is not finished)")
     ap.add_argument("--save-state", action="store_true",
                     help="only copy the --work copies' mutmut verdicts of --mutmut-part into "
                          "mutation/state/ (for a run that is still going or was stopped)")
@@ -1806,6 +1813,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
                        f"{', '.join(MUTMUT_PARTS)})")
     if a.mutmut_part:
         a.mutmut = True
+    if a.retry_only and not (a.work and a.mutmut_part and a.no_report):
+        raise BadInput("--retry-only needs --work, --mutmut-part and --no-report")
     if a.timeout <= 0 or a.mutmut_timeout <= 0 or a.max_children < 1:
         raise BadInput("timeouts must be > 0 and --max-children >= 1")
     return a
@@ -1878,7 +1887,8 @@ def main(argv: Sequence[str] | None = None, mutants: Sequence[Mutant] = MUTANTS)
                                                  retry_profile=retry,
                                                  max_children=a.max_children,
                                                  timeout=a.mutmut_timeout, work=work, log=log,
-                                                 progress=progress, part=part)
+                                                 progress=progress, part=part,
+                                                 retry_only=a.retry_only)
         finally:
             if a.work:
                 print(f"copies kept in {work} (--work)", file=sys.stderr)
