@@ -388,3 +388,55 @@ def test_the_raw_manifest_is_utf8_under_an_ascii_locale(tmp_path, ascii_locale):
     got = json.loads((tmp_path / heads.RAW_MANIFEST).read_bytes().decode("utf-8"))
     assert got["model"] == {"name": "modèle-ß"} and got["base_range"] == [500.0, 2e6]
     assert got["layers"] == {"0": {"n_heads": 4}} and got["schema"] == heads.RAW_SCHEMA
+
+
+def test_fmt_stats_uses_the_format_for_every_number():
+    s = {"median": 1.234567, "min": 0.000123456, "max": 98765.4321}
+    assert heads._fmt_stats(s, ".5g") == "1.2346 [0.00012346, 98765]"
+    assert heads._fmt_stats(s) == "1.23 [0.000123, 9.88e+04]"
+
+
+def _model_line(md: str) -> str:
+    return next(ln for ln in md.splitlines() if ln.startswith("Model: "))
+
+
+def test_markdown_names_the_models_file_and_hash_gguf_or_not():
+    """The model line names the GGUF file and its sha256, or, for a checkpoint, its source and
+    its weights' sha256; a failed verdict says FAIL with the non-finite diagnostics."""
+    r = load(COMMITTED)
+    line = _model_line(heads.render_markdown(r))
+    assert line.endswith("; file `SmolLM2-135M-Instruct.Q4_1.gguf` sha256 "
+                         "`b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53`.")
+    ck = copy.deepcopy(r)
+    ck["model"].update(gguf_file=None, gguf_sha256=None, source="my-checkpoint",
+                       weights_sha256={"model.safetensors": "abc123"})
+    line = _model_line(heads.render_markdown(ck))
+    assert line.endswith("; file `my-checkpoint` sha256 `{'model.safetensors': 'abc123'}`.")
+    assert "**Verdict: PASS** (every diagnostic finite)" in heads.render_markdown(r)
+    bad = copy.deepcopy(r)
+    bad["verdict"] = {"passed": False, "failed": [{"where": "layer 3 head 1", "check": "cond"}]}
+    assert ("**Verdict: FAIL** (every diagnostic finite); 1 non-finite: layer 3 head 1: cond"
+            in heads.render_markdown(bad))
+
+
+def test_write_report_draws_the_figures_unless_told_not_to(tmp_path):
+    pytest.importorskip("matplotlib")
+    r = load(COMMITTED)
+    small = copy.deepcopy(r)
+    small["layers"] = {k: r["layers"][k] for k in ("0", "1")}
+    heads.write_report(small, tmp_path / "with")
+    assert (tmp_path / "with" / "figures" / "band_energy.png").is_file()
+    heads.write_report(small, tmp_path / "without", figures=False)
+    assert (tmp_path / "without" / "report.json").is_file()
+    assert not (tmp_path / "without" / "figures").exists()
+
+
+def test_the_module_command_line_is_ropestep_heads(capsys):
+    """``python -m ropestep.heads``: its usage names ``ropestep heads`` and its help starts
+    with the module's first line."""
+    assert heads.main(["--help"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: ropestep heads ")
+    assert " ".join(heads.__doc__.split("\n")[0].split()) in " ".join(out.split())
+    assert heads.main(["--layers"]) == 2
+    assert "ropestep heads: error:" in capsys.readouterr().err
