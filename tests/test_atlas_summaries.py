@@ -319,3 +319,45 @@ def test_same_report_compares_every_number_but_the_machines(frozen):
     del c["cost"]  # an old report without the section: nothing counted on either side
     d = copy.deepcopy(c)
     assert atlas.same_report(c, d)
+
+
+def _line(md: str, prefix: str) -> str:
+    return next(ln for ln in md.splitlines() if ln.startswith(prefix))
+
+
+def test_the_markdown_prints_cost_time_model_and_verdict_as_written_here(frozen):
+    """The frozen report with hand-set numbers at rounding boundaries (0.75 prints 0.8 at one
+    decimal, 1.5 prints 2 at none, 0.125 prints 0.12 at two), expected lines written out."""
+    r = loads(dumps(frozen["report"]))
+    r["timing_seconds"] = {"model_forward": 0.75}
+    r["peak_rss_mib"] = 2.5
+    r["cost"]["matmul_flops_per_s"] = {"float64": 0.75e9, "float32": 2.25e9}
+    r["cost"]["phases"] = {"project": {"flops": 1.5e9, "seconds": 0.75, "dtype": "float64",
+                                       "achieved_flops_per_s": 0.75e9,
+                                       "fraction_of_matmul": 0.125}}
+    r["cost"].update(work_seconds=0.75, floor_seconds=0.75, fraction_of_matmul=0.125,
+                     model_forward_seconds=0.75, work_over_model_forward=0.75,
+                     floor_over_model_forward=0.75)
+    md = atlas.render_markdown(r)
+    assert "| model_forward | 0.8 |" in md.splitlines()
+    assert _line(md, "Peak resident memory: ").startswith("Peak resident memory: 2 MiB. ")
+    assert "this machine's GEMM rate measured in the same run (float64 0.8, float32 2.2 " \
+           "GFLOP/s)." in " ".join(md.split())
+    assert "| project | 2 | 0.8 | 0.8 | 0.12 |" in md.splitlines()
+    assert _line(md, "Overall: ") == (
+        "Overall: 0.8 s of work against a floor of 0.8 s at the GEMM rate (fraction 0.12); "
+        "0.8x the model's own forwards (0.8 s; the floor 0.8x).")
+    assert "**Verdict: PASS**" in md.splitlines()
+    gg = copy.deepcopy(r)
+    gg["model"].update(gguf_file="m.Q4_1.gguf", gguf_sha256="abc123", source="m-dir")
+    assert _line(atlas.render_markdown(gg), "Model: ").endswith(
+        "; file `m.Q4_1.gguf` sha256 `abc123`.")
+    ck = copy.deepcopy(r)
+    ck["model"].update(gguf_file=None, gguf_sha256=None, source="my-checkpoint")
+    assert _line(atlas.render_markdown(ck), "Model: ").endswith(
+        "; file `my-checkpoint` sha256 `None`.")
+    bad = copy.deepcopy(r)
+    bad["verdict"] = {"passed": False, "failed": [f"layer {i} head 0: finite" for i in range(11)]}
+    assert _line(atlas.render_markdown(bad), "**Verdict: ") == (
+        "**Verdict: FAIL** (11 failed: " + "; ".join(f"layer {i} head 0: finite"
+                                                       for i in range(10)) + ")")

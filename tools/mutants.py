@@ -936,6 +936,10 @@ EQUIVALENT: tuple[Equivalence, ...] = (
                   "_get returns a Python float for every statistic (None -> nan), so np.array "
                   "infers float64, the dtype asked for")
       for after in ("dtype=None)", "for L in layers], )")),
+    *(Equivalence("atlas.render_markdown", f"'{f}')", f"'{f.upper()}')",
+                  "num() names non-finite values before it formats, and for finite floats the "
+                  "'F' presentation prints what 'f' prints")
+      for f in (".0f", ".1f", ".2f")),
     *(Equivalence(f"{mod}.render_figures", 'interpolation="nearest"', 'interpolation="NEAREST"',
                   "matplotlib lower-cases the interpolation name (_ImageBase.set_interpolation)")
       for mod in ("heads", "atlas")),
