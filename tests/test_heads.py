@@ -417,6 +417,18 @@ def test_markdown_names_the_models_file_and_hash_gguf_or_not():
     bad["verdict"] = {"passed": False, "failed": [{"where": "layer 3 head 1", "check": "cond"}]}
     assert ("**Verdict: FAIL** (every diagnostic finite); 1 non-finite: layer 3 head 1: cond"
             in heads.render_markdown(bad))
+    bad["verdict"]["failed"] = [{"where": f"layer {i} head 0", "check": "cond"}
+                                for i in range(11)]
+    assert ("**Verdict: FAIL** (every diagnostic finite); 11 non-finite: "
+            + "; ".join(f"layer {i} head 0: cond" for i in range(10))) \
+        in heads.render_markdown(bad).splitlines()
+
+
+def test_markdown_prints_the_frequency_axis_to_six_digits():
+    r = load(COMMITTED)
+    r["frequency_axis"]["omega_pair0"] = 1.23456789e-5
+    md = " ".join(heads.render_markdown(r).split())
+    assert "omega_0 = 1.23457e-05 rad/position" in md
 
 
 def test_write_report_draws_the_figures_unless_told_not_to(tmp_path):

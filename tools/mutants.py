@@ -943,6 +943,8 @@ EQUIVALENT: tuple[Equivalence, ...] = (
     *(Equivalence(f"{mod}.render_figures", 'interpolation="nearest"', 'interpolation="NEAREST"',
                   "matplotlib lower-cases the interpolation name (_ImageBase.set_interpolation)")
       for mod in ("heads", "atlas")),
+    Equivalence("heads.render_markdown", "num(fa['omega_last'], '.3g')",
+                "num(fa['omega_last'], )", "'.3g' is num()'s default format"),
     Equivalence("heads.write_raw_manifest", 'encoding="utf-8"', 'encoding="UTF-8"',
                 "codec names are case-insensitive: 'UTF-8' is the codec 'utf-8'"),
     Equivalence("heads.diagnose_gpt", 'layers: str | Sequence[int] = "all"', '= "ALL"',
