@@ -452,3 +452,9 @@ def test_the_module_command_line_is_ropestep_heads(capsys):
     assert " ".join(heads.__doc__.split("\n")[0].split()) in " ".join(out.split())
     assert heads.main(["--layers"]) == 2
     assert "ropestep heads: error:" in capsys.readouterr().err
+
+
+def test_markdown_prints_the_base_range_in_g_format():
+    r = load(COMMITTED)
+    r["config"].update(base_min=1e7, base_max=12345.678)
+    assert "| suggested base b(t) in [1e+07, 12345.7]" in heads.render_markdown(r)
