@@ -29,6 +29,8 @@ from __future__ import annotations
 import copy
 import math
 import os
+import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -231,12 +233,32 @@ def test_replication_only_measures_what_the_full_run_measures(frozen, measured):
     from types import SimpleNamespace
 
     cfg = SimpleNamespace(device="cpu", max_bytes=frozen["items"][0][3]["max_bytes"])
-    for (c, L, args, _kw), (_c, _L, full) in zip(frozen["items"], measured):
+    (c0, L0, args0, kw0), = frozen["items"][:1]
+    spec0, w0, x0, pos0, native0 = args0
+    # the same on sparse positions (the analytic RoPE tables: the run's stop at its length),
+    # where the queries' positions matter beyond their order
+    sparse = replace(spec0, rope=replace(spec0.rope, cos=None, sin=None))
+    pos3 = 3 * torch.as_tensor(pos0)
+    full3 = atlas.evaluate_layer(sparse, w0, x0, pos3, native0, **kw0)
+    cases = [(L, args, full) for (c, L, args, _kw), (_c, _L, full) in zip(frozen["items"],
+                                                                          measured)]
+    cases.append((L0, (sparse, w0, x0, pos3), full3))
+    for L, args, full in cases:
         spec, w, x, positions = args[:4]
         timers: dict = {}
+        t0 = time.perf_counter()
         got = atlas._final_query_only(spec, w, SimpleNamespace(x=x, positions=positions), L,
                                       cfg, timers)
-        assert got.layer == L and timers["replication_descent"] > 0
+        spent = time.perf_counter() - t0
+        assert got.layer == L and 0 < timers["replication_descent"] <= spent
+        timers = {"replication_descent": 5.0}  # accumulated over the run's items
+        atlas._final_query_only(spec, w, SimpleNamespace(x=x, positions=positions), L, cfg,
+                                timers)
+        assert 5.0 < timers["replication_descent"] <= 5.0 + 2 * spent + 1.0
+        # the scales are placeholders (nothing of them is pooled) that keep the item savable
+        H = spec.n_heads
+        assert [a.tolist() for a in (got.value_scale, got.native_scale, got.qk_max)] == \
+            [[1.0] * H, [1.0] * H, [0.0] * H]
         np.testing.assert_array_equal(got.arrays["inc_query"][:, -1],
                                       full.arrays["inc_query"][:, -1])
         # each is a certified lower end within LAMBDA_CERT_REL of lambda_max (fast.lambda_max)

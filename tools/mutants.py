@@ -932,6 +932,17 @@ EQUIVALENT: tuple[Equivalence, ...] = (
     *(Equivalence(f"{mod}.render_figures", 'matplotlib.use("Agg")', after,
                   "matplotlib resolves backend names case-insensitively")
       for mod in ("heads", "atlas") for after in ('"agg"', '"AGG"')),
+    *(Equivalence(fn, f'scale.stream(spec, {w}, {x}, {pos}, gauge="{g}", layer={lay},',
+                  f"stream(spec, {after}",
+                  "scale.stream projects nothing when it is handed the projected layer (layer=): "
+                  "the weights, inputs and positions are read from it, the arguments unused")
+      for fn, w, x, pos, g, lay in (
+          ("atlas._final_query_only", "w", "cap.x", "cap.positions", "original", "Lq"),
+          ("atlas.evaluate_layer", "weights", "x", "positions", "original", "L64"),
+          ("atlas.evaluate_layer", "weights", "x", "positions", "maxkey", "L64"))
+      for after in (f"None, {x}, {pos}, gauge", f"{w}, None, {pos}, gauge",
+                    f"{w}, {x}, None, gauge", f"{x}, {pos}, gauge", f"{w}, {pos}, gauge",
+                    f"{w}, {x}, gauge")),
     *(Equivalence("atlas.grid", "for L in layers], dtype=float)", after,
                   "_get returns a Python float for every statistic (None -> nan), so np.array "
                   "infers float64, the dtype asked for")
