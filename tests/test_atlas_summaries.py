@@ -383,3 +383,36 @@ def test_the_markdown_prints_cost_time_model_and_verdict_as_written_here(frozen)
     assert _line(atlas.render_markdown(bad), "**Verdict: ") == (
         "**Verdict: FAIL** (11 failed: " + "; ".join(f"layer {i} head 0: finite"
                                                        for i in range(10)) + ")")
+
+
+@pytest.mark.parametrize("family", ["dot", "cosine"])
+def test_replication_only_with_three_heads_per_kv_head(family):
+    """A seeded layer with three query heads per KV head (and, for the Cosine family, one
+    temperature per head): the replication-only measurement of every head's final query is the
+    full measurement's."""
+    from types import SimpleNamespace
+
+    from ropestep.spec import HeadSpec, HeadWeights, RoPESpec
+
+    g = torch.Generator().manual_seed(5)
+    m, H, Hk, d, n = 16, 6, 2, 8, 12
+    spec = HeadSpec(n_heads=H, n_kv_heads=Hk, head_dim=d, rope=RoPESpec(base=100.0),
+                    family=family,
+                    temperature=(0.3, 0.5, 0.7, 0.9, 1.1, 1.3) if family == "cosine" else None)
+    w = HeadWeights(w_q=torch.randn(m, H, d, generator=g, dtype=torch.float64),
+                    w_k=torch.randn(m, Hk, d, generator=g, dtype=torch.float64),
+                    # small values: the step's change of E is then below 1 where it is up
+                    w_v=1e-3 * torch.randn(m, Hk, d, generator=g, dtype=torch.float64))
+    x = torch.randn(n, m, generator=g, dtype=torch.float64)
+    pos = torch.arange(n)
+    full = atlas.evaluate_layer(spec, w, x, pos, torch.zeros(n, H, d, dtype=torch.float64),
+                                anchor_every=4)
+    got = atlas._final_query_only(spec, w, SimpleNamespace(x=x, positions=pos), 0,
+                                  SimpleNamespace(device="cpu", max_bytes=1 << 20), {})
+    np.testing.assert_array_equal(got.arrays["inc_query"][:, -1], full.arrays["inc_query"][:, -1])
+    np.testing.assert_allclose(got.arrays["lam_query"][:, -1], full.arrays["lam_query"][:, -1],
+                               rtol=2 * tolerances.LAMBDA_CERT_REL, atol=0)
+    assert np.isfinite(got.arrays["lam_query"][:, -1]).all()
+    assert 0 < got.arrays["inc_query"][:, -1].sum() < H
+    # the heads differ (so that a head read for another is seen)
+    assert len(set(np.round(got.arrays["lam_query"][:, -1], 6))) == H
