@@ -417,3 +417,91 @@ def test_replication_only_with_three_heads_per_kv_head(family, Hk):
         assert 0 < got.arrays["inc_query"][:, -1].sum() < H
     # the heads differ (so that a head read for another is seen)
     assert len(set(np.round(got.arrays["lam_query"][:, -1], 6))) == H
+
+
+def _seeded_layer(family: str, Hk: int = 2, n: int = 12, value_scale: float = 1.0):
+    from ropestep.spec import HeadSpec, HeadWeights, RoPESpec
+
+    g = torch.Generator().manual_seed(5)
+    m, H, d = 16, 6, 8
+    spec = HeadSpec(n_heads=H, n_kv_heads=Hk, head_dim=d, rope=RoPESpec(base=100.0),
+                    family=family,
+                    temperature=(0.3, 0.5, 0.7, 0.9, 1.1, 1.3) if family == "cosine" else None)
+    w = HeadWeights(w_q=torch.randn(m, H, d, generator=g, dtype=torch.float64),
+                    w_k=torch.randn(m, Hk, d, generator=g, dtype=torch.float64),
+                    w_v=value_scale * torch.randn(m, Hk, d, generator=g, dtype=torch.float64))
+    x = torch.randn(n, m, generator=g, dtype=torch.float64)
+    return spec, w, x
+
+
+@pytest.mark.parametrize("family", ["dot", "cosine"])
+def test_frozen_reuse_against_the_per_query_api(family):
+    """The atlas's frozen-reuse, constant-anchor and cache-mean errors and TV distances of every
+    query, against the fast layer's per-query API (``fast.step`` on each query's own causal
+    prefix; ``fast.frozen_reuse`` with the anchor and the query both at the anchor's position,
+    the paper's setting) -- for a dot layer and for a Cosine one, whose score is not affine in
+    the input (query space: the anchor's rotation applied to the query's unrotated, normalised
+    query).  Anchors every 5 of 12 positions, on positions 0, 2, 4, ... (the analytic RoPE
+    tables)."""
+    from ropestep import fast
+
+    spec, w, x = _seeded_layer(family)
+    n, H = x.shape[0], spec.n_heads
+    pos = 2 * torch.arange(n)
+    got = atlas.evaluate_layer(spec, w, x, pos, torch.zeros(n, H, spec.head_dim,
+                                                            dtype=torch.float64),
+                               anchor_every=5)
+    V = float(w.w_v.abs().max() * x.abs().sum(-1).max())  # bounds every |v_j|
+    tol = 8 * tolerances.agreement_rel_tol(torch.float64, n, spec.head_dim, x.shape[1]) * V
+
+    def own(i: int):
+        return fast.step(spec, w, x[i:i + 1], pos[i:i + 1], x[:i + 1], pos[:i + 1])
+
+    for i in range(n):
+        a = 5 * (i // 5)
+        if i == a:  # the anchors themselves: not measured
+            for k in ("reuse_frozen", "reuse_const", "reuse_mean", "tv"):
+                assert np.isnan(got.arrays[k][:, i]).all(), (k, i)
+            continue
+        yi, ya = own(i), own(a)
+        st = fast.step(spec, w, x[[a, i]], pos[[a, a]], x[:a + 1], pos[:a + 1])
+        fr = fast.frozen_reuse(st, anchor=0, bound=False).frozen[:, 1]  # (H, r)
+        want = {"reuse_frozen": (yi.y[:, 0] - fr).norm(dim=-1),
+                "reuse_const": (yi.y[:, 0] - ya.y[:, 0]).norm(dim=-1),
+                "reuse_mean": (yi.y[:, 0] - yi.mu[:, 0]).norm(dim=-1)}
+        for k, v in want.items():
+            np.testing.assert_allclose(np.sqrt(got.arrays[k][:, i]), v.numpy(), rtol=0,
+                                       atol=tol, err_msg=f"{k} at query {i}")
+        # the attention rows: the softmax of each query's raw scores over its whole prefix
+        pa = torch.zeros(H, i + 1, dtype=torch.float64)
+        pa[:, :a + 1] = torch.softmax(ya.s[:, 0], -1)
+        tv = 0.5 * (torch.softmax(yi.s[:, 0], -1) - pa).abs().sum(-1)
+        # probabilities carry ~(N + score range) u each: 1e-12 bounds a sum of 12 of them
+        np.testing.assert_allclose(got.arrays["tv"][:, i], tv.numpy(), rtol=0, atol=1e-12)
+
+
+def test_evaluate_layer_defaults_timers_and_refusal():
+    """Called with its defaults: layer 0, anchors every 64 positions, float32 as the model's
+    dtype; each phase's seconds are added to ``timers`` (accumulated over calls); an ALiBi
+    layer is refused naming the layer."""
+    spec, w, x = _seeded_layer("dot", n=70)
+    n = x.shape[0]
+    native = torch.zeros(n, spec.n_heads, spec.head_dim, dtype=torch.float64)
+    timers: dict = {}
+    t0 = time.perf_counter()
+    res = atlas.evaluate_layer(spec, w, x, torch.arange(n), native, timers=timers)
+    spent = time.perf_counter() - t0
+    assert res.layer == 0
+    assert np.isnan(res.arrays["reuse_frozen"]).all(0).nonzero()[0].tolist() == [0, 64]
+    phases = ["project", "float64_original", "float32_maxkey", "float64_maxkey"]
+    assert sorted(timers) == sorted(phases)
+    assert all(timers[k] > 0 for k in phases) and sum(timers.values()) <= spent
+    before = dict(timers)
+    t0 = time.perf_counter()
+    atlas.evaluate_layer(spec, w, x, torch.arange(n), native, timers=timers)
+    spent = time.perf_counter() - t0
+    assert all(0 < timers[k] - before[k] <= spent for k in phases)
+    with pytest.raises(atlas.AtlasError, match="^layer 0: the atlas covers RoPE heads without "
+                                               "ALiBi biases$"):
+        atlas.evaluate_layer(replace(spec, alibi_slopes=(0.5,) * spec.n_heads), w, x,
+                             torch.arange(n), native)
