@@ -531,3 +531,20 @@ def test_each_querys_bounds_are_its_own_heads():
                 arith=arith)
             np.testing.assert_allclose(A[key][h], np.asarray(want)[0], rtol=1e-13, atol=0,
                                        err_msg=f"{key} head {h}")
+
+
+def test_an_overflowing_original_gauge_is_an_error_naming_the_layer():
+    """Scores ~1e4 below the original gauge's anchor: its coefficients overflow float64, which
+    the item records as an error naming the layer and the pass (never a silent NaN); the
+    max-key passes still measure."""
+    from ropestep.spec import HeadWeights
+
+    spec, w, x = _seeded_layer("dot", n=10)
+    w = HeadWeights(w_q=30.0 * w.w_q, w_k=30.0 * w.w_k, w_v=w.w_v)
+    res = atlas.evaluate_layer(spec, w, x, torch.arange(10),
+                               torch.zeros(10, spec.n_heads, spec.head_dim, dtype=torch.float64),
+                               layer=3)
+    assert len(res.errors) == 1
+    assert res.errors[0].startswith("layer 3: float64 original gauge: gauge 'original' "
+                                    "overflows in torch.float64")
+    assert np.isfinite(res.arrays["native_abs"]).all() and np.isfinite(res.arrays["lp_abs"]).all()

@@ -969,6 +969,21 @@ EQUIVALENT: tuple[Equivalence, ...] = (
                           ("dtype=torch.float64, device=device)", "dtype=torch.float64, )"),
                           ("dtype=torch.float64, device=device).q", "dtype=torch.float64, ).q"),
                           ("device=s.device)", "device=None)"), ("device=s.device)", ", )"))),
+    *(Equivalence("atlas.evaluate_layer", orig, after,
+                  "max_bytes sets the streaming chunks only (a chunk's bound takes its longest "
+                  "prefix, conservatively), and every layer of the tests fits one chunk per "
+                  "head group under the default budget and the runs' own alike")
+      for orig, after in (("max_bytes=max_bytes, outputs=", "            outputs="),
+                          ('layer=L64, / max_bytes=max_bytes,', 'layer=L64, / outputs='))),
+    Equivalence("atlas.evaluate_layer", 'gauge="original", layer=L64,', "positions, layer=L64,",
+                "scale.stream's gauge defaults to 'original'"),
+    *(Equivalence("atlas.evaluate_layer", f'gauge="{g}", layer=L64,', f'gauge="{g}", layer=None,',
+                  "without the projected layer scale.stream projects the same spec, weights, "
+                  "inputs and positions in float64 itself: the same layer, computed twice")
+      for g in ("original", "maxkey")),
+    Equivalence("atlas.evaluate_layer", "_pass_original(ch, L64, arr, nat, vscale,",
+                "_pass_original(ch, L64, arr, nat, None,", "_pass_original does not read its "
+                "vscale argument (the value scales enter the bounds in evaluate_layer)"),
     Equivalence("atlas.evaluate_layer", "m = int(x.shape[-1])", "m = int(x.shape[+1])",
                 "x is (N, m): shape[1] is shape[-1]"),
     *(Equivalence("atlas.grid", "for L in layers], dtype=float)", after,
