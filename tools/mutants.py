@@ -85,8 +85,17 @@ MUTMUT_PARTS: dict[str, dict[str, Any]] = {
             "tests/test_committed_reports_render.py", "tests/test_committed_figures.py",
             "tests/test_report_statistics.py", "tests/test_reports_portable.py",
             "tests/test_report_module.py"], "also_copy": ["validation", "docs"]},
+    # heads.py: the diagnostics, their pooling and verdict, the dump and the rendering -- not the
+    # model loading and command line (load, run, main_args, add_arguments, main)
     "mutmut-heads": {
         "only_mutate": ["src/ropestep/heads.py"], "also_copy": ["validation", "docs"],
+        "functions": {"src/ropestep/heads.py": [
+            "_f64", "singular_values", "condition_number", "effective_rank", "coarse_bands",
+            "band_fractions", "matrix_diagnostics", "sketch_barycenter", "frequency_axis",
+            "diagnose_weights", "_stats", "summarise", "_nonfinite", "_matrix_failures",
+            "failures", "parse_layers", "_over_layers", "diagnose", "diagnose_gpt",
+            "dump_layer", "write_raw_manifest", "grid", "_fmt_stats", "render_markdown",
+            "render_figures", "write_report"]},
         "pytest_add_cli_args_test_selection": [
             "tests/test_committed_reports_render.py", "tests/test_committed_figures.py",
             "tests/test_cli_docs.py", "tests/test_heads.py", "tests/test_reference_heads.py",
