@@ -548,3 +548,32 @@ def test_an_overflowing_original_gauge_is_an_error_naming_the_layer():
     assert res.errors[0].startswith("layer 3: float64 original gauge: gauge 'original' "
                                     "overflows in torch.float64")
     assert np.isfinite(res.arrays["native_abs"]).all() and np.isfinite(res.arrays["lp_abs"]).all()
+
+
+def test_the_markdown_per_layer_rows_say_n_a_and_no(frozen):
+    """A layer whose input-space statistics are not defined (QK-norm) prints n/a in their two
+    columns; one whose descent statistics are not defined (soft-capped scores) in all four
+    lambda / E columns; a failed layer says **NO**; the cost line without the model's forwards
+    ends after the fraction."""
+    r = loads(dumps(frozen["report"]))
+    L0, L1 = sorted(r["layers"])[:2]
+    r["layers"][L0]["input_space"] = "not defined: the 'qknorm' score is not affine in u"
+    r["layers"][L1]["descent"] = "not defined: soft-capped scores"
+    r["layers"][L1]["passed"] = False
+    for k in ("work_over_model_forward", "model_forward_seconds", "floor_over_model_forward"):
+        del r["cost"][k]
+    md = atlas.render_markdown(r)
+
+    def row(L: str) -> list[str]:  # the per-layer table's row (the replication's has 5 cells)
+        rows = [[c.strip() for c in ln.strip().strip("|").split("|")]
+                for ln in md.splitlines() if ln.startswith(f"| {L} | ")]
+        return next(c for c in rows if len(c) == 15)
+
+    # columns: layer, pass, identity, f64 vs native, unresolved, dtype vs native, bound ratio,
+    # kappa, sink, lambda q, lambda in, E up q, E up in, rRMSE vs const, vs mean
+    a, b = row(L0), row(L1)
+    assert [a[i] == "n/a" for i in range(15)] == [i in (10, 12) for i in range(15)]
+    assert [b[i] == "n/a" for i in range(15)] == [i in (9, 10, 11, 12) for i in range(15)]
+    assert (a[1], b[1]) == ("yes", "**NO**")
+    assert _line(md, "Overall: ").endswith(" at the GEMM rate (fraction "
+                                           f"{r['cost']['fraction_of_matmul']:.2f}).")

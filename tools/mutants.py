@@ -999,6 +999,9 @@ EQUIVALENT: tuple[Equivalence, ...] = (
                   "_get returns a Python float for every statistic (None -> nan), so np.array "
                   "infers float64, the dtype asked for")
       for after in ("dtype=None)", "for L in layers], )")),
+    *(Equivalence("atlas.render_markdown", "), 'med')", f"), {after})",
+                  "col() takes the max for 'max' and the median for anything else")
+      for after in ("'MED'", "'XXmedXX'", "None")),
     *(Equivalence("atlas.render_markdown", f"'{f}')", f"'{f.upper()}')",
                   "num() names non-finite values before it formats, and for finite floats the "
                   "'F' presentation prints what 'f' prints")
