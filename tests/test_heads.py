@@ -458,3 +458,15 @@ def test_markdown_prints_the_base_range_in_g_format():
     r = load(COMMITTED)
     r["config"].update(base_min=1e7, base_max=12345.678)
     assert "| suggested base b(t) in [1e+07, 12345.7]" in heads.render_markdown(r)
+
+
+def test_matrix_failures_name_each_quantity_once_with_its_first_bad_value():
+    nan, inf = math.nan, math.inf
+    diag = {"cond": inf, "sigma_max": 2.0, "band_energy_fraction": [0.5, nan, inf],
+            "coarse_band_fraction": [nan], "new_statistic": {"a": [1.0, (2.0, -inf)]}}
+    got = heads._matrix_failures("layer 2 KV head 1", diag, "k")
+    assert [(f.where, f.check) for f in got] == [
+        ("layer 2 KV head 1", "cond(W_k)"), ("layer 2 KV head 1", "band energy(W_k)"),
+        ("layer 2 KV head 1", "new_statistic")]
+    assert got[0].value == inf and math.isnan(got[1].value) and got[2].value == -inf
+    assert heads._matrix_failures("x", {"cond": 3.0, "frobenius": [1.0, 2.0]}, "q") == []

@@ -287,14 +287,13 @@ def summarise(layers: Sequence[dict]) -> dict:
     }
 
 
-def _nonfinite(x: Any, path: str = "") -> list[tuple[str, float]]:
+def _nonfinite(x: Any) -> list[float]:
+    """The NaN and infinite floats of a nested diagnostic (dicts, lists, tuples), in order."""
     if isinstance(x, dict):
-        return [p for k, v in x.items() for p in _nonfinite(v, f"{path}.{k}" if path else str(k))]
+        return [v for y in x.values() for v in _nonfinite(y)]
     if isinstance(x, (list, tuple)):
-        return [p for i, v in enumerate(x) for p in _nonfinite(v, f"{path}[{i}]")]
-    if isinstance(x, float) and not math.isfinite(x):
-        return [(path, x)]
-    return []
+        return [v for y in x for v in _nonfinite(y)]
+    return [x] if isinstance(x, float) and not math.isfinite(x) else []
 
 
 _NAMES = {"cond": "cond(W_{m})", "effective_rank": "effective rank(W_{m})",
@@ -311,7 +310,7 @@ def _matrix_failures(where: str, diag: dict, which: str) -> list[Failure]:
         name = _NAMES.get(key, key).format(m=which)
         if bad and name not in seen:
             seen.add(name)
-            out.append(Failure(where, name, bad[0][1]))
+            out.append(Failure(where, name, bad[0]))
     return out
 
 
