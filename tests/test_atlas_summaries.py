@@ -472,6 +472,13 @@ def test_frozen_reuse_against_the_per_query_api(family):
         for k, v in want.items():
             np.testing.assert_allclose(np.sqrt(got.arrays[k][:, i]), v.numpy(), rtol=0,
                                        atol=tol, err_msg=f"{k} at query {i}")
+        # against a zero "model output" the readouts' errors are the outputs' sizes: the float64
+        # readouts to float64 rounding, the float32 one within its own bound
+        ymax = yi.y[:, 0].abs().amax(-1).numpy()
+        for k in ("native_abs", "native_orig_abs"):
+            np.testing.assert_allclose(got.arrays[k][:, i], ymax, rtol=0, atol=tol,
+                                       err_msg=f"{k} at query {i}")
+        assert (np.abs(got.arrays["lp_abs"][:, i] - ymax) <= got.arrays["lp_bound"][:, i]).all()
         # the attention rows: the softmax of each query's raw scores over its whole prefix
         pa = torch.zeros(H, i + 1, dtype=torch.float64)
         pa[:, :a + 1] = torch.softmax(ya.s[:, 0], -1)
@@ -577,3 +584,21 @@ def test_the_markdown_per_layer_rows_say_n_a_and_no(frozen):
     assert (a[1], b[1]) == ("yes", "**NO**")
     assert _line(md, "Overall: ").endswith(" at the GEMM rate (fraction "
                                            f"{r['cost']['fraction_of_matmul']:.2f}).")
+
+
+def test_overflowing_readouts_are_errors_naming_the_layer_and_pass():
+    """Values near the float range: the model-dtype readout overflows first (1e37), then all
+    three passes (1e307); each is an error naming the layer, the pass and its gauge."""
+    from ropestep.spec import HeadWeights
+
+    spec, w, x = _seeded_layer("dot", n=10)
+    native = torch.zeros(10, spec.n_heads, spec.head_dim, dtype=torch.float64)
+    passes = {"o": "layer 2: float64 original gauge: gauge 'original': the readout",
+              "l": "layer 2: torch.float32 max-key gauge: gauge 'maxkey': the readout",
+              "m": "layer 2: float64 max-key gauge: gauge 'maxkey': the readout"}
+    for f, want in ((1e37, "l"), (1e307, "olm")):
+        w2 = HeadWeights(w_q=w.w_q, w_k=w.w_k, w_v=f * w.w_v)
+        res = atlas.evaluate_layer(spec, w2, x, torch.arange(10), native, layer=2)
+        assert len(res.errors) == len(want), res.errors
+        for e, k in zip(res.errors, want):
+            assert e.startswith(passes[k]), e

@@ -982,10 +982,28 @@ EQUIVALENT: tuple[Equivalence, ...] = (
                   "max_bytes sets the streaming chunks only (a chunk's bound takes its longest "
                   "prefix, conservatively), and every layer of the tests fits one chunk per "
                   "head group under the default budget and the runs' own alike")
-      for orig, after in (("max_bytes=max_bytes, outputs=", "            outputs="),
-                          ('layer=L64, / max_bytes=max_bytes,', 'layer=L64, / outputs='))),
+      for orig, after in (('max_bytes=max_bytes, outputs=("s", "c", "kappa")):',
+                           '^outputs=("s", "c", "kappa")):'),
+                          ("max_bytes=max_bytes, outputs=()):", "^outputs=()):"))),
     Equivalence("atlas.evaluate_layer", 'gauge="original", layer=L64,', "positions, layer=L64,",
                 "scale.stream's gauge defaults to 'original'"),
+    *(Equivalence("atlas.evaluate_layer", f'gauge="{g}", layer=L64,',
+                  f'gauge="{g}", max_bytes=max_bytes, outputs=',
+                  "without the projected layer scale.stream projects the same spec, weights, "
+                  "inputs and positions in float64 itself: the same layer, computed twice")
+      for g in ("original", "maxkey")),
+    Equivalence("atlas.evaluate_layer", "max_bytes=max_bytes, outputs=()):",
+                "max_bytes=max_bytes, ):", "scale.stream's outputs default to ()"),
+    Equivalence("atlas.evaluate_layer", 'max_bytes=max_bytes, outputs=("kappa",)):',
+                'device=dev, outputs=("kappa",)):', "max_bytes sets the streaming chunks only "
+                "(see the other max_bytes entries)"),
+    *(Equivalence("atlas.evaluate_layer", 'device=dev, max_bytes=max_bytes, outputs=("kappa",)):',
+                  after, "not observable without a GPU: on the CPU (the test machines' only "
+                  "device) None and the configured device place tensors alike")
+      for after in ('device=None, max_bytes', '^max_bytes=max_bytes, outputs=("kappa",)):')),
+    Equivalence("atlas.evaluate_layer", "= bound(hs, ch.queries, kap, lp_dtype)",
+                "= bound(hs, ch.queries, kap, None)", "arith=None makes "
+                "model_dtype_native_bound evaluate in the model's dtype, which is lp_dtype"),
     *(Equivalence("atlas.evaluate_layer", f'gauge="{g}", layer=L64,', f'gauge="{g}", layer=None,',
                   "without the projected layer scale.stream projects the same spec, weights, "
                   "inputs and positions in float64 itself: the same layer, computed twice")
@@ -1413,9 +1431,14 @@ def mutmut_diffs(mutated_file: Path, original_file: Path, rel: str) -> dict[str,
 
 
 def classify_equivalent(diff: dict) -> str | None:
+    """The reason of the first :data:`EQUIVALENT` entry matching the mutant: its function, the
+    original substring in the line before, the mutated one in the line after (a mutated
+    pattern starting with ``^`` must start the line after)."""
     for e in EQUIVALENT:
-        if (diff["function"] == e.function and e.original in diff["before"]
-                and e.mutated in diff["after"]):
+        if diff["function"] != e.function or e.original not in diff["before"]:
+            continue
+        if (diff["after"].startswith(e.mutated[1:]) if e.mutated.startswith("^")
+                else e.mutated in diff["after"]):
             return e.reason
     return None
 
