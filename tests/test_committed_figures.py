@@ -4,8 +4,9 @@ and how they draw it, against a committed description.
 ``render_figures`` of ``validate`` (:mod:`ropestep.report`), ``atlas`` and ``heads`` runs on
 each committed ``report.json`` with ``Figure.savefig`` intercepted: each figure is drawn (Agg)
 and described -- size, titles, axis labels and scales, fixed tick labels, the tick labels as
-drawn, font sizes, each axes' aspect and position, legend entries, and every artist's data and
-style (lines, bars, scatter offsets, images) -- instead of written.  The figures are drawn with
+drawn, font sizes, each axes' aspect and position, legend entries, every artist's data and
+style (lines, bars, scatter offsets, images), and what ``savefig`` was asked (its resolution) --
+instead of written.  The figures are drawn with
 matplotlib's image defaults set away from what the renderers ask for (``RC``), so that a
 colour map, interpolation or aspect the renderer asks for shows in the description even where it
 is matplotlib's default.
@@ -142,7 +143,8 @@ def drawn(name: str) -> dict:
         saved: dict = {}
 
         def capture(self, fname, *args, **kwargs):
-            saved[Path(fname).name] = describe(self)
+            saved[Path(fname).name] = {**describe(self),
+                                       "savefig": {k: kwargs[k] for k in sorted(kwargs)}}
 
         result = json.loads((ROOT / "validation" / name / "report.json").read_text(
             encoding="utf-8"))

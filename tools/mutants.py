@@ -1024,6 +1024,11 @@ EQUIVALENT: tuple[Equivalence, ...] = (
                   "num() names non-finite values before it formats, and for finite floats the "
                   "'F' presentation prints what 'f' prints")
       for f in (".0f", ".1f", ".2f")),
+    *(Equivalence(f"{mod}.render_figures", "fig.colorbar(im, ax=ax)", after,
+                  "without ax, Figure.colorbar takes the space from the image's own axes, "
+                  "which is ax")
+      for mod in ("heads", "atlas") for after in ("fig.colorbar(im, ax=None)",
+                                                  "fig.colorbar(im, )")),
     *(Equivalence(f"{mod}.render_figures", 'interpolation="nearest"', 'interpolation="NEAREST"',
                   "matplotlib lower-cases the interpolation name (_ImageBase.set_interpolation)")
       for mod in ("heads", "atlas")),
