@@ -419,13 +419,14 @@ def test_replication_only_with_three_heads_per_kv_head(family, Hk):
     assert len(set(np.round(got.arrays["lam_query"][:, -1], 6))) == H
 
 
-def _seeded_layer(family: str, Hk: int = 2, n: int = 12, value_scale: float = 1.0):
+def _seeded_layer(family: str, Hk: int = 2, n: int = 12, value_scale: float = 1.0,
+                  softcap: float | None = None, window: int | None = None):
     from ropestep.spec import HeadSpec, HeadWeights, RoPESpec
 
     g = torch.Generator().manual_seed(5)
     m, H, d = 16, 6, 8
     spec = HeadSpec(n_heads=H, n_kv_heads=Hk, head_dim=d, rope=RoPESpec(base=100.0),
-                    family=family,
+                    family=family, softcap=softcap, window=window,
                     temperature=(0.3, 0.5, 0.7, 0.9, 1.1, 1.3) if family == "cosine" else None)
     w = HeadWeights(w_q=torch.randn(m, H, d, generator=g, dtype=torch.float64),
                     w_k=torch.randn(m, Hk, d, generator=g, dtype=torch.float64),
@@ -434,18 +435,20 @@ def _seeded_layer(family: str, Hk: int = 2, n: int = 12, value_scale: float = 1.
     return spec, w, x
 
 
-@pytest.mark.parametrize("family", ["dot", "cosine"])
-def test_frozen_reuse_against_the_per_query_api(family):
+@pytest.mark.parametrize("family,softcap,window", [("dot", None, None), ("cosine", None, None),
+                                                   ("dot", 2.0, None), ("dot", None, 7)])
+def test_frozen_reuse_against_the_per_query_api(family, softcap, window):
     """The atlas's frozen-reuse, constant-anchor and cache-mean errors and TV distances of every
     query, against the fast layer's per-query API (``fast.step`` on each query's own causal
     prefix; ``fast.frozen_reuse`` with the anchor and the query both at the anchor's position,
     the paper's setting) -- for a dot layer and for a Cosine one, whose score is not affine in
     the input (query space: the anchor's rotation applied to the query's unrotated, normalised
-    query).  Anchors every 5 of 12 positions, on positions 0, 2, 4, ... (the analytic RoPE
-    tables)."""
+    query), for soft-capped scores (the softmax of ``cap tanh(s / cap)``) and for a sliding
+    window (7 positions: 3 keys at this spacing).  Anchors every 5 of 12 positions, on positions
+    0, 2, 4, ... (the analytic RoPE tables); the sink mass is the first key's probability."""
     from ropestep import fast
 
-    spec, w, x = _seeded_layer(family)
+    spec, w, x = _seeded_layer(family, softcap=softcap, window=window)
     n, H = x.shape[0], spec.n_heads
     pos = 2 * torch.arange(n)
     got = atlas.evaluate_layer(spec, w, x, pos, torch.zeros(n, H, spec.head_dim,
@@ -479,10 +482,17 @@ def test_frozen_reuse_against_the_per_query_api(family):
             np.testing.assert_allclose(got.arrays[k][:, i], ymax, rtol=0, atol=tol,
                                        err_msg=f"{k} at query {i}")
         assert (np.abs(got.arrays["lp_abs"][:, i] - ymax) <= got.arrays["lp_bound"][:, i]).all()
-        # the attention rows: the softmax of each query's raw scores over its whole prefix
+        # the attention rows: the softmax of each query's (capped) scores over its permitted keys
+        def probs(st_):
+            z = st_.s[:, 0] if softcap is None else softcap * torch.tanh(st_.s[:, 0] / softcap)
+            return torch.softmax(z.masked_fill(~st_.mask[0], -math.inf), -1)
+
+        pi = probs(yi)
         pa = torch.zeros(H, i + 1, dtype=torch.float64)
-        pa[:, :a + 1] = torch.softmax(ya.s[:, 0], -1)
-        tv = 0.5 * (torch.softmax(yi.s[:, 0], -1) - pa).abs().sum(-1)
+        pa[:, :a + 1] = probs(ya)
+        tv = 0.5 * (pi - pa).abs().sum(-1)
+        np.testing.assert_allclose(got.arrays["sink"][:, i], pi[:, 0].numpy(), rtol=0,
+                                   atol=1e-13, err_msg=f"sink at query {i}")
         # probabilities carry ~(N + score range) u each: 1e-12 bounds a sum of 12 of them
         np.testing.assert_allclose(got.arrays["tv"][:, i], tv.numpy(), rtol=0, atol=1e-12)
 
@@ -538,6 +548,14 @@ def test_each_querys_bounds_are_its_own_heads():
                 arith=arith)
             np.testing.assert_allclose(A[key][h], np.asarray(want)[0], rtol=1e-13, atol=0,
                                        err_msg=f"{key} head {h}")
+    # the identity's float64 bound, relative to the value scale: the query's kappa, its causal
+    # prefix, the head dimension and its largest score, at least float64's floor
+    for h in range(H):
+        want = np.maximum(tolerances.readout_bound(
+            torch.float64, A["kappa_original"][h][None], np.arange(1.0, n + 1)[None], d,
+            A["score_abs"][h][None]), tolerances.FLOAT64_REL)
+        np.testing.assert_allclose(A["id_bound"][h], np.asarray(want)[0], rtol=1e-13, atol=0,
+                                   err_msg=f"id_bound head {h}")
 
 
 def test_an_overflowing_original_gauge_is_an_error_naming_the_layer():

