@@ -420,12 +420,13 @@ def test_replication_only_with_three_heads_per_kv_head(family, Hk):
 
 
 def _seeded_layer(family: str, Hk: int = 2, n: int = 12, value_scale: float = 1.0,
-                  softcap: float | None = None, window: int | None = None):
+                  softcap: float | None = None, window: int | None = None,
+                  base: float | tuple = 100.0):
     from ropestep.spec import HeadSpec, HeadWeights, RoPESpec
 
     g = torch.Generator().manual_seed(5)
     m, H, d = 16, 6, 8
-    spec = HeadSpec(n_heads=H, n_kv_heads=Hk, head_dim=d, rope=RoPESpec(base=100.0),
+    spec = HeadSpec(n_heads=H, n_kv_heads=Hk, head_dim=d, rope=RoPESpec(base=base),
                     family=family, softcap=softcap, window=window,
                     temperature=(0.3, 0.5, 0.7, 0.9, 1.1, 1.3) if family == "cosine" else None)
     w = HeadWeights(w_q=torch.randn(m, H, d, generator=g, dtype=torch.float64),
@@ -620,3 +621,36 @@ def test_overflowing_readouts_are_errors_naming_the_layer_and_pass():
         assert len(res.errors) == len(want), res.errors
         for e, k in zip(res.errors, want):
             assert e.startswith(passes[k]), e
+
+
+@pytest.mark.parametrize("base", [100.0, (20.0, 50.0, 100.0, 300.0, 1e3, 1e4)])
+def test_descent_statistics_against_the_per_query_api(base):
+    """lambda_max and the unit step's test of every query, in input space (the paper's) and in
+    query space (the replication's), against ``fast.descent`` and ``fast.query_descent`` on each
+    query's own causal prefix -- one RoPE base, and one per head (its own tables per head).
+    Small values, so that the step's change of E lies below 1 where it is up."""
+    from ropestep import fast
+
+    spec, w, x = _seeded_layer("dot", n=16, value_scale=1e-3, base=base)
+    n, H = x.shape[0], spec.n_heads
+    pos = torch.arange(n)
+    got = atlas.evaluate_layer(spec, w, x, pos, torch.zeros(n, H, spec.head_dim,
+                                                            dtype=torch.float64),
+                               anchor_every=4).arrays
+    ups = {"input": 0, "query": 0}
+    for i in range(n):
+        st = fast.step(spec, w, x[i:i + 1], pos[i:i + 1], x[:i + 1], pos[:i + 1])
+        for space, dc in (("input", fast.descent(st)), ("query", fast.query_descent(st))):
+            # two float64 routes to lambda_max of the same matrix (certified Lanczos on d x d
+            # against the factor-space problem): agreement to ~d n u cond, 1e-9 relative
+            np.testing.assert_allclose(got[f"lam_{space}"][:, i], dc.lam_max[:, 0].numpy(),
+                                       rtol=1e-9, atol=0, err_msg=f"{space} query {i}")
+            # the flags compared exactly: every change of E lies clear of the rounding (the
+            # first query has one key: no step, E = 0 before and after)
+            dE = (dc.e1 - dc.e0).abs()
+            assert ((dE > 1e-8 * dc.e0.abs()) | (i == 0)).all(), (space, i)
+            up = (dc.e1 > dc.e0)[:, 0].double().numpy()
+            np.testing.assert_array_equal(got[f"inc_{space}"][:, i], up,
+                                          err_msg=f"{space} query {i}")
+            ups[space] += int(up.sum())
+    assert ups["input"] > 0 and ups["query"] > 0
