@@ -500,3 +500,11 @@ def test_diagnose_describes_a_hub_model_by_hand(hf_tiny, monkeypatch):
                             "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "group": 2,
                             "head_dim": 16, "hidden": 64, "rope_theta": 1e4, "qkv_bias": True}
     assert out["frequency_axis"] == out["layers"]["0"]["frequency_axis"]
+
+
+def test_markdown_prints_time_and_memory_in_fixed_point():
+    r = load(COMMITTED)
+    r["peak_rss_mib"] = 1536.55
+    r["timing_seconds"].update(load_model=123.45, diagnose=0.75)
+    md = " ".join(heads.render_markdown(r).split())
+    assert "Time: load 123.5 s, diagnostics 0.8 s; peak resident memory 1537 MiB." in md

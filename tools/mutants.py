@@ -1039,10 +1039,12 @@ EQUIVALENT: tuple[Equivalence, ...] = (
     *(Equivalence("atlas.render_markdown", "), 'med')", f"), {after})",
                   "col() takes the max for 'max' and the median for anything else")
       for after in ("'MED'", "'XXmedXX'", "None")),
-    *(Equivalence("atlas.render_markdown", f"'{f}')", f"'{f.upper()}')",
+    *(Equivalence(f"{mod}.render_markdown", f"'{f}')", f"'{f.upper()}')",
                   "num() names non-finite values before it formats, and for finite floats the "
                   "'F' presentation prints what 'f' prints")
-      for f in (".0f", ".1f", ".2f")),
+      for mod in ("atlas", "heads") for f in (".0f", ".1f", ".2f", ".3f")),
+    Equivalence("heads.render_markdown", "num(h['barycenter_base'], '.3g')",
+                "num(h['barycenter_base'], )", "'.3g' is num()'s default format"),
     *(Equivalence(f"{mod}.render_figures", "fig.colorbar(im, ax=ax)", after,
                   "without ax, Figure.colorbar takes the space from the image's own axes, "
                   "which is ax")
