@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import pytest
 
@@ -23,6 +23,20 @@ def one_torch_thread():
     torch.set_num_threads(int(os.environ.get("ROPESTEP_TEST_THREADS") or 1))
     yield
     torch.set_num_threads(n)
+
+
+def frozen_run(path: Path, generate: Callable[[Path], dict], tmp_path_factory: Any) -> dict:
+    """A frozen run's data (``tests/data/*.pt``): with ``ROPESTEP_REGEN_GOLDEN`` set, made anew
+    by ``generate(a fresh directory)`` and saved to ``path`` first; then read back."""
+    import os
+
+    import torch
+
+    if os.environ.get("ROPESTEP_REGEN_GOLDEN"):
+        data = generate(tmp_path_factory.mktemp(path.stem))
+        path.parent.mkdir(parents=True, exist_ok=True)
+        torch.save(data, path)
+    return torch.load(path, weights_only=False)
 
 
 def leaves(x: Any, path: tuple = ()) -> Iterator[tuple[tuple, Any]]:

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import copy
 import math
-import os
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -40,7 +39,7 @@ import torch
 from ropestep import atlas, tolerances
 from ropestep.report import dumps
 from ropestep.verdict import loads
-from reference_walk import decisions
+from reference_walk import decisions, frozen_run
 from reference_walk import one_torch_thread  # noqa: F401  (autouse, module scope)
 from test_reference_atlas import TINY_ARGS, build_model, compare, run_case, undecided
 
@@ -78,11 +77,7 @@ def _generate(root: Path) -> dict:
 
 @pytest.fixture(scope="module")
 def frozen(tmp_path_factory) -> dict:
-    if os.environ.get("ROPESTEP_REGEN_GOLDEN"):
-        data = _generate(tmp_path_factory.mktemp("atlas_items"))
-        DATA.parent.mkdir(parents=True, exist_ok=True)
-        torch.save(data, DATA)
-    return torch.load(DATA, weights_only=False)
+    return frozen_run(DATA, _generate, tmp_path_factory)
 
 
 @pytest.fixture(scope="module")

@@ -23,16 +23,15 @@ printed counts.
 """
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
-import torch
 
 from ropestep import cli, protocol
 from ropestep.reference import validate as reference
 from ropestep.report import dumps, load
 from ropestep.verdict import loads
+from reference_walk import frozen_run
 from test_reference_contexts import contexts_reference
 from test_reference_validate import (FLIPS, TINY_ARGS, build_model, compare, planted,
                                      undecided)
@@ -71,11 +70,7 @@ def _generate(root: Path) -> dict:
 
 @pytest.fixture(scope="module")
 def frozen(tmp_path_factory) -> dict:
-    if os.environ.get("ROPESTEP_REGEN_GOLDEN"):
-        data = _generate(tmp_path_factory.mktemp("summaries"))
-        DATA.parent.mkdir(parents=True, exist_ok=True)
-        torch.save(data, DATA)
-    return torch.load(DATA, weights_only=False)
+    return frozen_run(DATA, _generate, tmp_path_factory)
 
 
 def pooled(frozen: dict) -> dict:

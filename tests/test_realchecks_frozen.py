@@ -33,7 +33,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 from safetensors.torch import load_file
 
 from ropestep import cli, protocol
@@ -41,7 +40,7 @@ from ropestep.reference import positional
 from ropestep.reference import validate as reference
 from ropestep.report import dumps, load
 from ropestep.verdict import loads
-from reference_walk import decisions
+from reference_walk import decisions, frozen_run
 from reference_walk import one_torch_thread  # noqa: F401  (autouse, module scope)
 from test_reference_contexts import contexts_reference
 from test_reference_real_heads import ARGS
@@ -101,11 +100,7 @@ def _generate(root: Path) -> dict:
 
 @pytest.fixture(scope="module")
 def frozen(tmp_path_factory) -> dict:
-    if os.environ.get("ROPESTEP_REGEN_GOLDEN"):
-        data = _generate(tmp_path_factory.mktemp("realchecks_calls"))
-        DATA.parent.mkdir(parents=True, exist_ok=True)
-        torch.save(data, DATA)
-    return torch.load(DATA, weights_only=False)
+    return frozen_run(DATA, _generate, tmp_path_factory)
 
 
 def _by_layer(frozen: dict, records: list[dict]) -> dict[int, list[dict]]:
