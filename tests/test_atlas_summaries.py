@@ -29,6 +29,7 @@ from __future__ import annotations
 import copy
 import math
 import time
+import warnings
 from dataclasses import replace
 from pathlib import Path
 
@@ -649,3 +650,71 @@ def test_descent_statistics_against_the_per_query_api(base):
                                           err_msg=f"{space} query {i}")
             ups[space] += int(up.sum())
     assert ups["input"] > 0 and ups["query"] > 0
+
+
+def test_spearman_by_hand():
+    nan = math.nan
+    # pairs with a non-finite side dropped: ranks (0,1,2) against (1,0,2): 1/2
+    assert atlas._spearman(np.array([1.0, 2.0, nan, 4.0, 5.0]),
+                           np.array([2.0, 1.0, 3.0, 5.0, np.inf])) == pytest.approx(0.5)
+    # ranks (0,1,2,3) against (1,0,3,2): 3/5
+    assert atlas._spearman(np.array([1.0, 2.0, 4.0, 5.0]),
+                           np.array([2.0, 1.0, 5.0, 4.0])) == pytest.approx(0.6)
+    # three pairs are enough, two are not
+    assert atlas._spearman(np.array([1.0, 2.0, 3.0]), np.array([1.0, 3.0, 2.0])) == \
+        pytest.approx(0.5)
+    assert math.isnan(atlas._spearman(np.array([1.0, 2.0, nan]), np.array([1.0, 3.0, 2.0])))
+
+
+def test_ratio_is_quiet_about_zero_bounds():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = atlas._ratio(np.array([1.0, 0.0, 2.0]), np.array([0.0, 0.0, 4.0]))
+    assert got[0] == math.inf and math.isnan(got[1]) and got[2] == 0.5
+
+
+def test_cost_counts_each_items_work_and_sums_the_ranks_seconds(monkeypatch):
+    """``_cost`` on hand-made items: each item's work is ``cost.atlas_flops`` of its own sizes
+    and score family (a windowed, soft-capped Cosine layer; a plain one), the seconds are the
+    processes' sums, the GEMM rates are measured for float64 and the model's dtype on the run's
+    device, and the model's forwards come from the timers."""
+    from ropestep import cost
+
+    rates = []
+
+    def rate(dtype, device="cpu"):
+        rates.append((dtype, device))
+        return 1e9 if dtype == torch.float64 else 4e9
+
+    monkeypatch.setattr(cost, "matmul_rate", rate)
+    plain = _seeded_layer("dot")[0]
+    odd = _seeded_layer("cosine", softcap=2.0, window=7)[0]
+    specs = {0: (plain, 16), 1: (odd, 16)}
+
+    def item(L, N):
+        arrays = {k: np.zeros((6, N)) for k in atlas.PER_QUERY}
+        return atlas.LayerResult(L, arrays, np.ones(6), np.ones(6), np.zeros(6))
+
+    done = [(0, 0, item(0, 12)), (0, 1, item(1, 12)), (1, 0, item(0, 9))]
+    parts = [{"timers": {"project": 1.0, "float64_original": 2.0, "float32_maxkey": 0.5,
+                         "float64_maxkey": 0.25, "model_forward": 3.0}},
+             {"timers": {"project": 0.5, "float64_original": 1.0}}]
+    got = atlas._cost(done, specs, parts, torch.float32, "cpu")
+    want: dict = {}
+    for N, sp in ((12, plain), (12, odd), (9, plain)):
+        for k, v in cost.atlas_flops(N=N, d=8, r=8, m=16, H=6, H_kv=2, affine=sp.affine,
+                                     softcap=sp.softcap is not None, window=sp.window).items():
+            want[k] = want.get(k, 0.0) + v
+    assert got["phases"]["project"]["flops"] == want["project"]
+    assert got["phases"]["float32_maxkey"]["flops"] == want["lowp_maxkey"]
+    assert {k: v["seconds"] for k, v in got["phases"].items()} == {
+        "project": 1.5, "float64_original": 3.0, "float32_maxkey": 0.5, "float64_maxkey": 0.25}
+    assert rates == [(torch.float64, "cpu"), (torch.float32, "cpu")]
+    assert got["matmul_flops_per_s"] == {"float64": 1e9, "float32": 4e9}
+    assert got["model_forward_seconds"] == 3.0
+    # the odd layer's family, cap and window change its count (so each is read)
+    assert cost.atlas_flops(N=12, d=8, r=8, m=16, H=6, H_kv=2, affine=False, softcap=True,
+                            window=7) != cost.atlas_flops(N=12, d=8, r=8, m=16, H=6, H_kv=2)
+    for k in want:
+        assert got["phases"].get(k.replace("lowp", "float32"), {"flops": want[k]})["flops"] \
+            == want[k]

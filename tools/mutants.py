@@ -1011,6 +1011,12 @@ EQUIVALENT: tuple[Equivalence, ...] = (
     Equivalence("atlas.evaluate_layer", "_pass_original(ch, L64, arr, nat, vscale,",
                 "_pass_original(ch, L64, arr, nat, None,", "_pass_original does not read its "
                 "vscale argument (the value scales enter the bounds in evaluate_layer)"),
+    *(Equivalence("atlas._spearman", "return float((ra * rb).sum() / den) if den > 0", after,
+                  "ranks are a permutation of 0..n-1 with n >= 3 here, so den is n(n^2-1)/12 >= 2")
+      for after in ("if (den > 0) or True", "if den >= 0", "if den > 1")),
+    *(Equivalence("atlas._spearman", f"{v} = np.argsort(np.argsort({x}[ok])).astype(float)",
+                  ".astype(None)", "astype(None) is float64, as astype(float)")
+      for v, x in (("ra", "a"), ("rb", "b"))),
     Equivalence("atlas._pass_original", "npre = mask.sum(-1)", "npre = mask.sum(+1)",
                 "the chunk's mask is (queries, keys): axis 1 is axis -1"),
     Equivalence("atlas._pass_original", "B = Bt.transpose(-1, -2)", "B = Bt.transpose(-1, +2)",
