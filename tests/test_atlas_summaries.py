@@ -718,3 +718,163 @@ def test_cost_counts_each_items_work_and_sums_the_ranks_seconds(monkeypatch):
     for k in want:
         assert got["phases"].get(k.replace("lowp", "float32"), {"flops": want[k]})["flops"] \
             == want[k]
+
+
+def _hand_results(seed: int = 3, H: int = 2, N: int = 8):
+    """Two contexts' per-query arrays drawn by hand, scales far from 1 (4 and 1/2, 8 and 1/4),
+    a few exact boundaries: head 0's identity error at its bound, its float64 and original-gauge
+    errors at theirs, anchors (NaN reuse) at queries 0 and 4."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for c, (vs, ns) in enumerate((([4.0, 0.5], [8.0, 0.25]), ([2.0, 1.0], [16.0, 0.5]))):
+        A = {k: rng.uniform(0.1, 1.0, (H, N)) for k in atlas.PER_QUERY}
+        # the original gauge resolves the model's output (its bound within the model's level
+        # of the max-key one) but at query 1 (1e3 above); at query 2 of head 0, context 0 its
+        # excess 6 x the level lies between the value scale's 4 and the output scale's 8
+        A["native_orig_bound"] = A["native_bound"].copy()
+        A["native_orig_bound"][:, 1] += 1e3
+        if c == 0:
+            A["native_orig_bound"][0, 2] += 6.0 * tolerances.native_rel_tol(N, 8, 16)
+        A["id_bound"] = rng.uniform(0.2, 0.4, (H, N))
+        A["id_abs"] = A["id_bound"] * np.array(vs)[:, None] * rng.uniform(0.1, 0.9, (H, N))
+        for k, b in (("native_abs", "native_bound"), ("native_orig_abs", "native_orig_bound"),
+                     ("lp_abs", "lp_bound")):
+            A[k] = A[b] * rng.uniform(0.1, 0.9, (H, N))
+        if c == 0:  # exact boundaries: an error at its bound passes
+            A["id_abs"][0, 3] = A["id_bound"][0, 3] * vs[0]
+            A["native_abs"][0, 2] = A["native_bound"][0, 2]
+            A["native_orig_abs"][0, 5] = A["native_orig_bound"][0, 5]
+            A["lp_abs"][0, 6] = A["lp_bound"][0, 6]
+        A["inc_query"] = (A["inc_query"] > 0.5).astype(float)
+        A["inc_input"] = (A["inc_input"] > 0.4).astype(float)
+        for k in ("reuse_frozen", "reuse_const", "reuse_mean", "tv"):
+            A[k][:, [0, 4]] = np.nan
+        out.append(atlas.LayerResult(1, A, np.array(vs), np.array(ns),
+                                     rng.uniform(1.0, 9.0, H)))
+    return out
+
+
+def _ranks_spearman(a, b):
+    ra, rb = np.argsort(np.argsort(a)), np.argsort(np.argsort(b))
+    return float(np.corrcoef(ra, rb)[0, 1])
+
+
+def test_summarise_layer_by_hand():
+    """Every per-head statistic of ``summarise_layer`` recomputed here from its definition in
+    docs/protocol.md (the relative errors against their own context's scale, the bound ratios,
+    the pooled medians, means and maxima, the reuse rRMSEs and quartile bins), on hand-drawn
+    arrays whose scales are far from 1 -- where a wrong denominator shows."""
+    from ropestep.spec import HeadSpec
+
+    res = _hand_results()
+    N, d, m, H = 8, 8, 16, 2
+    spec = HeadSpec(n_heads=H, n_kv_heads=1, head_dim=d)
+    out = atlas.summarise_layer(res, spec, m, N, torch.float32)
+    assert out["errors"] == [] and out["passed"] is True
+    ntol = tolerances.native_rel_tol(N, d, m)
+    for h, got in enumerate(out["heads"]):
+        cat = {k: np.concatenate([r.arrays[k][h] for r in res]) for k in atlas.PER_QUERY}
+        vs = np.concatenate([np.full(N, r.value_scale[h]) for r in res])
+        ns = np.concatenate([np.full(N, r.native_scale[h]) for r in res])
+        sel = ~np.isnan(cat["reuse_frozen"])
+        fr, co, me, tv = (cat[k][sel] for k in ("reuse_frozen", "reuse_const", "reuse_mean",
+                                                  "tv"))
+        rel = np.sqrt(fr / me)
+        want = {
+            "identity_float64_rel_max": np.max(cat["id_abs"] / vs),
+            "identity_float64_bound_ratio_max": np.max(cat["id_abs"] / vs / cat["id_bound"]),
+            "float64_vs_native_rel": np.max(cat["native_abs"] / ns),
+            "float64_vs_native_tol": ntol,
+            "float64_vs_native_bound_ratio_max": np.max(cat["native_abs"] / cat["native_bound"]),
+            "float64_original_gauge_vs_native_rel": np.max(cat["native_orig_abs"] / ns),
+            "float64_original_gauge_bound_ratio_max":
+                np.max(cat["native_orig_abs"] / cat["native_orig_bound"]),
+            "original_gauge_unresolved_queries": 2,
+            "model_dtype_vs_native_rel": np.max(cat["lp_abs"] / ns),
+            "model_dtype_vs_native_kappa_blind_tol":
+                tolerances.agreement_rel_tol(torch.float32, N, d, m),
+            "model_dtype_vs_native_bound_ratio_max": np.max(cat["lp_abs"] / cat["lp_bound"]),
+            "model_dtype_identity_rel": np.max(cat["lp_id_abs"] / vs),
+            "kappa_original": {"median": np.median(cat["kappa_original"]),
+                               "max": np.max(cat["kappa_original"])},
+            "kappa_maxkey": {"median": np.median(cat["kappa_maxkey"]),
+                             "max": np.max(cat["kappa_maxkey"])},
+            "spread": {"median": np.median(cat["spread"]), "max": np.max(cat["spread"])},
+            "sink_mass": {"mean": np.mean(cat["sink"]), "median": np.median(cat["sink"])},
+            "lambda_max_query_space": {"median": np.median(cat["lam_query"]),
+                                       "max": np.max(cat["lam_query"])},
+            "lambda_max_input_space": {"median": np.median(cat["lam_input"]),
+                                       "max": np.max(cat["lam_input"])},
+            "step_increases_E_query_space": np.mean(cat["inc_query"]),
+            "step_increases_E_input_space": np.mean(cat["inc_input"]),
+            "value_scale": max(r.value_scale[h] for r in res),
+            "native_scale": max(r.native_scale[h] for r in res),
+        }
+        for k, v in want.items():
+            assert got[k] == pytest.approx(v, rel=1e-12), (h, k)
+        r = got["reuse"]
+        assert r["n_queries"] == int(sel.sum()) == 12
+        assert r["rrmse_vs_constant_anchor"] == pytest.approx(np.sqrt(fr.sum() / co.sum()),
+                                                              rel=1e-12)
+        assert r["rrmse_vs_cache_mean"] == pytest.approx(np.sqrt(fr.sum() / me.sum()), rel=1e-12)
+        assert r["relative_error_median"] == pytest.approx(np.median(rel), rel=1e-12)
+        assert r["spearman_error_vs_tv"] == pytest.approx(_ranks_spearman(rel, tv), rel=1e-12)
+        q = np.quantile(tv, [0, 0.25, 0.5, 0.75, 1])
+        assert [(b["tv_lo"], b["tv_hi"], b["n"]) for b in r["by_tv_quartile"]] == [
+            (q[i], q[i + 1], int(((tv >= q[i]) & (tv <= q[i + 1])).sum())) for i in range(4)]
+        for i, b in enumerate(r["by_tv_quartile"]):
+            inbin = (tv >= q[i]) & (tv <= q[i + 1])
+            assert b["relative_error_median"] == pytest.approx(np.median(rel[inbin]), rel=1e-12)
+        assert got["checks"] == {"identity_float64": True, "float64_vs_native": True,
+                                 "float64_original_gauge_vs_native": True,
+                                 "model_dtype_vs_native": True, "finite": True}
+
+
+@pytest.mark.parametrize("key,bound,check", [
+    ("id_abs", "id_bound", "identity_float64"),
+    ("native_abs", "native_bound", "float64_vs_native"),
+    ("native_orig_abs", "native_orig_bound", "float64_original_gauge_vs_native"),
+    ("lp_abs", "lp_bound", "model_dtype_vs_native")])
+def test_summarise_layer_fails_an_error_past_its_bound(key, bound, check):
+    """One query's error at 1.5 times its bound fails exactly that check of that head."""
+    from ropestep.spec import HeadSpec
+
+    res = _hand_results()
+    A = res[1].arrays
+    A[key][1, 7] = 1.5 * A[bound][1, 7] * (res[1].value_scale[1] if key == "id_abs" else 1.0)
+    out = atlas.summarise_layer(res, HeadSpec(n_heads=2, n_kv_heads=1, head_dim=8), 16, 8,
+                                torch.float32)
+    assert [k for k, v in out["heads"][1]["checks"].items() if not v] == [check]
+    assert out["heads"][0]["passed"] and not out["heads"][1]["passed"] and not out["passed"]
+
+
+def test_summarise_layer_kappa_blind_level_for_bfloat16_and_undefined_statistics():
+    """Below float32 the kappa-blind level is native_rel_tol_lowp at the head's largest qk; a
+    soft-capped layer says its descent statistics are not defined (None, with the reason); a
+    layer whose score is not affine (QK-norm) says so of its input-space statistics only."""
+    from ropestep.spec import HeadSpec
+
+    res = _hand_results()
+    out = atlas.summarise_layer(res, HeadSpec(n_heads=2, n_kv_heads=1, head_dim=8), 16, 8,
+                                torch.bfloat16)
+    for h in range(2):
+        qk = max(r.qk_max[h] for r in res)
+        assert out["heads"][h]["model_dtype_vs_native_kappa_blind_tol"] == \
+            tolerances.native_rel_tol_lowp(torch.bfloat16, qk)
+    capped = atlas.summarise_layer(res, HeadSpec(n_heads=2, n_kv_heads=1, head_dim=8,
+                                                 softcap=30.0), 16, 8, torch.float32)
+    assert capped["descent"].startswith("not defined: soft-capped scores (softcap 30.0)")
+    assert "input_space" not in capped
+    for hd in capped["heads"]:
+        assert hd["lambda_max_query_space"] == {"median": None, "max": None}
+        assert hd["lambda_max_input_space"] == {"median": None, "max": None}
+        assert hd["step_increases_E_query_space"] is None
+        assert hd["step_increases_E_input_space"] is None
+    qk = atlas.summarise_layer(res, HeadSpec(n_heads=2, n_kv_heads=1, head_dim=8,
+                                             family="qknorm"), 16, 8, torch.float32)
+    assert "descent" not in qk and qk["input_space"].startswith("not defined: the 'qknorm'")
+    for hd in qk["heads"]:
+        assert hd["lambda_max_query_space"]["max"] is not None
+        assert hd["lambda_max_input_space"] == {"median": None, "max": None}
+        assert hd["step_increases_E_query_space"] is not None
+        assert hd["step_increases_E_input_space"] is None
