@@ -510,18 +510,32 @@ def test_evaluate_layer_defaults_timers_and_refusal():
     phases = ["project", "float64_original", "float32_maxkey", "float64_maxkey"]
     assert sorted(timers) == sorted(phases)
     assert all(timers[k] > 0 for k in phases) and sum(timers.values()) <= spent
-    before = dict(timers)
+    timers = {k: 100.0 for k in phases}  # a run's earlier items
     t0 = time.perf_counter()
     atlas.evaluate_layer(spec, w, x, torch.arange(n), native, timers=timers)
     spent = time.perf_counter() - t0
-    assert all(0 < timers[k] - before[k] <= spent for k in phases)
+    assert all(0 < timers[k] - 100.0 <= spent for k in phases)
+    # float64 numpy throughout, as the LayerResult says (a float32 model output included)
+    res32 = atlas.evaluate_layer(spec, w, x, torch.arange(n), native.float())
+    assert all(a.dtype == np.float64 for a in res32.arrays.values())
+    assert [a.dtype for a in (res32.value_scale, res32.native_scale, res32.qk_max)] == \
+        [np.float64] * 3
+    # qk_max bounds every |score|: max |q~_i| max |k~_j| / sqrt(d), rotations kept norms
+    g = spec.n_heads // spec.n_kv_heads
+    xq = np.einsum("nm,mhd->nhd", x.numpy(), w.w_q.numpy())
+    xk = np.einsum("nm,mgd->ngd", x.numpy(), w.w_k.numpy())
+    want = [np.linalg.norm(xq[:, h], axis=-1).max() * np.linalg.norm(xk[:, h // g], axis=-1).max()
+            / math.sqrt(spec.head_dim) for h in range(spec.n_heads)]
+    np.testing.assert_allclose(res.qk_max, want, rtol=1e-12, atol=0)
+    assert (res.arrays["score_abs"] <= res.qk_max[:, None] * (1 + 1e-12)).all()
     with pytest.raises(atlas.AtlasError, match="^layer 0: the atlas covers RoPE heads without "
                                                "ALiBi biases$"):
         atlas.evaluate_layer(replace(spec, alibi_slopes=(0.5,) * spec.n_heads), w, x,
                              torch.arange(n), native)
 
 
-def test_each_querys_bounds_are_its_own_heads():
+@pytest.mark.parametrize("lp", [torch.float32, torch.bfloat16])
+def test_each_querys_bounds_are_its_own_heads(lp):
     """The kappa-aware bounds of every (head, query) are ``model_dtype_native_bound`` of that
     head's own measurements -- its kappa in the gauge the readout used, its causal prefix, its
     largest score, its qk and value and output scales -- on a layer with three query heads per
@@ -531,15 +545,16 @@ def test_each_querys_bounds_are_its_own_heads():
     n, H, d, m = x.shape[0], spec.n_heads, spec.head_dim, x.shape[1]
     g = torch.Generator().manual_seed(9)
     native = torch.randn(n, H, d, generator=g, dtype=torch.float64)
-    res = atlas.evaluate_layer(spec, w, x, torch.arange(n), native, anchor_every=8)
+    res = atlas.evaluate_layer(spec, w, x, torch.arange(n), native, anchor_every=8,
+                               lp_dtype=lp)
     A = res.arrays
     for key, kap, arith in (("native_orig_bound", "kappa_original", torch.float64),
                             ("native_bound", "kappa_maxkey", torch.float64),
-                            ("lp_bound", "kappa_maxkey", torch.float32)):
+                            ("lp_bound", "kappa_maxkey", lp)):
         for h in range(H):  # one chunk holds every query of a head here (20 of them):
             # the model-side term takes the chunk's longest prefix, as the bound says
             want = tolerances.model_dtype_native_bound(
-                torch.float32, A[kap][h][None], np.arange(1.0, n + 1)[None], d, m,
+                lp, A[kap][h][None], np.arange(1.0, n + 1)[None], d, m,
                 A["score_abs"][h][None], np.array([[res.qk_max[h]]]),
                 np.array([[res.value_scale[h]]]), np.array([[res.native_scale[h]]]),
                 arith=arith)

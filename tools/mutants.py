@@ -1036,6 +1036,41 @@ EQUIVALENT: tuple[Equivalence, ...] = (
                 "the raw dump's tables"),
     Equivalence("heads.diagnose", 'layers: str | Sequence[int] = "all"', '= "ALL"',
                 "parse_indices lower-cases the layer text: 'ALL' selects every layer as 'all'"),
+    *(Equivalence("atlas.evaluate_layer", orig, after, "the identity rotation's tables are all "
+                  "ones and zeros, exact in any dtype and at every position: its positions, "
+                  "table length, layout, base and table dtype change nothing of the unrotated "
+                  "queries (positions are always given here)")
+      for orig, after in (
+          ("P = int(torch.as_tensor(positions).max()) + 1 if positions is not None else N",
+           "if (positions is not None) or True else N"),
+          ("P = int(torch.as_tensor(positions).max()) + 1 if", "max()) + 2 if"),
+          ("ident = RoPESpec(base=spec.rope.base, layout=spec.rope.layout,", "RoPESpec(layout="),
+          ("ident = RoPESpec(base=spec.rope.base, layout=spec.rope.layout,",
+           "RoPESpec(base=spec.rope.base, cos="),
+          ("cos=torch.ones(P, spec.head_dim // 2, dtype=torch.float64),", "dtype=None),"),
+          ("cos=torch.ones(P, spec.head_dim // 2, dtype=torch.float64),", "^cos=torch.ones(P, "
+           "spec.head_dim // 2, ),"),
+          ("sin=torch.zeros(P, spec.head_dim // 2, dtype=torch.float64))", "dtype=None))"),
+          ("sin=torch.zeros(P, spec.head_dim // 2, dtype=torch.float64))", "^sin=torch.zeros(P, "
+           "spec.head_dim // 2, ))"),
+          ("q_unrot = scale.project_layer(replace(spec, rope=ident), weights, x, positions,",
+           "weights, x, None,"),
+          ("q_unrot = scale.project_layer(replace(spec, rope=ident), weights, x, positions,",
+           "weights, x, dtype=torch.float64, device=device).q"),
+          ("dtype=torch.float64, device=device).q", "^device=device).q"))),
+    Equivalence("atlas.evaluate_layer", "L64 = scale.project_layer(spec, weights, x, positions, "
+                "dtype=torch.float64, device=device)", "positions, device=device)",
+                "project_layer's dtype defaults to float64"),
+    *(Equivalence("atlas.evaluate_layer", orig, after, "not observable without a GPU: on the CPU "
+                  "(the test machines' only device) None and the configured device place "
+                  "tensors alike")
+      for orig, after in (("dev = L64.q.device", "dev = None"),
+                          (".to(device=dev, dtype=torch.float64)", ".to(device=None,"),
+                          (".to(device=dev, dtype=torch.float64)", ".to(dtype=torch.float64)"))),
+    Equivalence("atlas.evaluate_layer", 'arr["lp_id_abs"][hs[0]:hs[-1] + 1, ch.queries] = '
+                "(ro - y).abs().amax(-1)", ".amax(None)", "every query then holds the chunk's "
+                "largest error, and lp_id_abs is only ever read through its maximum "
+                "(model_dtype_identity_rel)"),
     Equivalence("atlas.evaluate_layer", "m = int(x.shape[-1])", "m = int(x.shape[+1])",
                 "x is (N, m): shape[1] is shape[-1]"),
     *(Equivalence("atlas.grid", "for L in layers], dtype=float)", after,
