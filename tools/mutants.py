@@ -1071,6 +1071,10 @@ EQUIVALENT: tuple[Equivalence, ...] = (
                 "(ro - y).abs().amax(-1)", ".amax(None)", "every query then holds the chunk's "
                 "largest error, and lp_id_abs is only ever read through its maximum "
                 "(model_dtype_identity_rel)"),
+    Equivalence("atlas.evaluate_layer", "qn = L64.q.norm(dim=-1).amax(-1)", ".amax(+1)",
+                "the norms are (heads, queries): axis 1 is axis -1"),
+    Equivalence("atlas.evaluate_layer", "kn = torch.stack([L64.k[L64.group_of(h)].norm(dim=-1)",
+                ".norm(dim=+1)", "one KV head's keys are (keys, d): axis 1 is axis -1"),
     Equivalence("atlas.evaluate_layer", "m = int(x.shape[-1])", "m = int(x.shape[+1])",
                 "x is (N, m): shape[1] is shape[-1]"),
     *(Equivalence("atlas.grid", "for L in layers], dtype=float)", after,
