@@ -893,3 +893,50 @@ def test_summarise_layer_kappa_blind_level_for_bfloat16_and_undefined_statistics
         assert hd["lambda_max_input_space"] == {"median": None, "max": None}
         assert hd["step_increases_E_query_space"] is not None
         assert hd["step_increases_E_input_space"] is None
+
+
+def test_small_helpers_by_hand():
+    assert atlas._binned(np.array([1.0, 2.0, 3.0]), np.array([0.1, 0.2, 0.3])) == []
+    four = atlas._binned(np.array([4.0, 3.0, 2.0, 1.0]), np.array([0.1, 0.2, 0.3, 0.4]))
+    # quartiles of the TV 0.1 .. 0.4 at 0.175, 0.25, 0.325: one query per bin
+    assert [(b["n"], b["relative_error_median"]) for b in four] == \
+        [(1, 4.0), (1, 3.0), (1, 2.0), (1, 1.0)]
+    assert four[0]["tv_lo"] == 0.1 and four[-1]["tv_hi"] == 0.4
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert math.isnan(atlas._max(np.array([]))) and math.isnan(atlas._median(np.array([])))
+    assert atlas._max(np.array([1.0, np.nan])) != atlas._max(np.array([1.0, np.nan]))  # NaN
+    assert math.isnan(atlas._get({"a": {"b": None}}, ("a", "b")))
+    assert atlas._get({"a": {"b": 3}}, ("a", "b")) == 3.0
+    layers, vals = atlas.grid({"layers": {"1": {"heads": [{"x": None}, {"x": 2.0}]},
+                                          "0": {"heads": [{"x": 1.0}, {"x": 0.5}]}}}, ("x",))
+    assert layers == [0, 1] and vals[0].tolist() == [1.0, 0.5] and math.isnan(vals[1, 0])
+    empty = atlas.replication_style({}, {})
+    assert empty["per_layer"] == {} and (empty["pooled"]["increase"],
+                                         empty["pooled"]["heads"]) == (0, 0)
+    assert math.isnan(empty["pooled"]["lambda_max_median"])
+    assert math.isnan(empty["pooled"]["lambda_max_max"])
+
+
+def test_pool_by_hand():
+    """The replication count takes each context's final query (not the one before); a head
+    failing two checks is one verdict line naming both; the items' order does not matter (the
+    errors are listed in context order)."""
+    from ropestep.spec import HeadSpec
+
+    res = _hand_results()
+    for c, r in enumerate(res):
+        r.arrays["inc_query"][:, -1] = [1.0, 0.0]
+        r.arrays["inc_query"][:, -2] = [0.0, 1.0]
+        r.errors.append(f"layer 1: planted error of context {c}")
+    r = res[1]
+    r.arrays["id_abs"][0, 7] = 2 * r.arrays["id_bound"][0, 7] * r.value_scale[0]
+    r.arrays["native_abs"][0, 6] = math.inf
+    spec = HeadSpec(n_heads=2, n_kv_heads=1, head_dim=8)
+    done = [(0, 1, res[0]), (1, 1, res[1])]
+    layers, rep, failed = atlas.pool(done, {1: (spec, 16)}, [1], 8, torch.float32)
+    assert rep["per_layer"]["1"]["increase"] == 2 and rep["per_layer"]["1"]["heads"] == 4
+    assert failed == ["layer 1 head 0: identity_float64, float64_vs_native, finite",
+                      "layer 1: planted error of context 0", "layer 1: planted error of context 1"]
+    again = atlas.pool(done[::-1], {1: (spec, 16)}, [1], 8, torch.float32)
+    assert again[2] == failed and again[1] == rep

@@ -1071,6 +1071,29 @@ EQUIVALENT: tuple[Equivalence, ...] = (
                 "(ro - y).abs().amax(-1)", ".amax(None)", "every query then holds the chunk's "
                 "largest error, and lp_id_abs is only ever read through its maximum "
                 "(model_dtype_identity_rel)"),
+    *(Equivalence("atlas._cost", orig, after, "not observable without a GPU: matmul_rate's "
+                  "device defaults to the CPU, the test machines' only device")
+      for orig, after in (('cost.matmul_rate(torch.float64, device=device)',
+                           "matmul_rate(torch.float64, )"),
+                          ("cost.matmul_rate(lp, device=device)", "matmul_rate(lp, )"))),
+    *(Equivalence("atlas._final_query_only",
+                  'scale.stream(spec, w, cap.x, cap.positions, gauge="original", layer=Lq,',
+                  after, reason)
+      for after, reason in (
+          ("layer=None,", "without the projected layer scale.stream projects the same layer "
+                          "in float64 itself: the same layer, computed twice"),
+          ("cap.positions, layer=Lq,", "scale.stream's gauge defaults to 'original'"),
+          ('gauge="original", queries=', "without the projected layer scale.stream projects "
+                                         "the same layer in float64 itself"))),
+    Equivalence("atlas._final_query_only", "inc = dE > 0", "inc = dE >= 0",
+                "dE is exactly 0 only without a step (a single key); the final query of a "
+                "context has at least two (--len >= 2)"),
+    Equivalence("atlas._pass_original", "nan = torch.full_like(y_fr[..., 0], math.nan)",
+                "y_fr[..., 1]", "full_like takes only the shape, which every value slice has"),
+    *(Equivalence("atlas.pool", "for _c, L, res in sorted(done, key=lambda t: (t[0], t[1])):",
+                  after, "the (context, layer) pairs are distinct, so the items' tuples sort "
+                  "by them whatever the key")
+      for after in ("sorted(done, key=None)", "sorted(done, )")),
     Equivalence("atlas.evaluate_layer", "qn = L64.q.norm(dim=-1).amax(-1)", ".amax(+1)",
                 "the norms are (heads, queries): axis 1 is axis -1"),
     Equivalence("atlas.evaluate_layer", "kn = torch.stack([L64.k[L64.group_of(h)].norm(dim=-1)",
