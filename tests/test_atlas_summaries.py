@@ -703,20 +703,21 @@ def test_cost_counts_each_items_work_and_sums_the_ranks_seconds(monkeypatch):
 
     monkeypatch.setattr(cost, "matmul_rate", rate)
     plain = _seeded_layer("dot")[0]
-    odd = _seeded_layer("cosine", softcap=2.0, window=7)[0]
-    specs = {0: (plain, 16), 1: (odd, 16)}
+    odd = _seeded_layer("cosine")[0]  # not affine
+    capped = _seeded_layer("dot", softcap=2.0, window=7)[0]
+    specs = {0: (plain, 16), 1: (odd, 16), 2: (capped, 16)}
 
     def item(L, N):
         arrays = {k: np.zeros((6, N)) for k in atlas.PER_QUERY}
         return atlas.LayerResult(L, arrays, np.ones(6), np.ones(6), np.zeros(6))
 
-    done = [(0, 0, item(0, 12)), (0, 1, item(1, 12)), (1, 0, item(0, 9))]
+    done = [(0, 0, item(0, 12)), (0, 1, item(1, 12)), (0, 2, item(2, 12)), (1, 0, item(0, 9))]
     parts = [{"timers": {"project": 1.0, "float64_original": 2.0, "float32_maxkey": 0.5,
                          "float64_maxkey": 0.25, "model_forward": 3.0}},
              {"timers": {"project": 0.5, "float64_original": 1.0}}]
     got = atlas._cost(done, specs, parts, torch.float32, "cpu")
     want: dict = {}
-    for N, sp in ((12, plain), (12, odd), (9, plain)):
+    for N, sp in ((12, plain), (12, odd), (12, capped), (9, plain)):
         for k, v in cost.atlas_flops(N=N, d=8, r=8, m=16, H=6, H_kv=2, affine=sp.affine,
                                      softcap=sp.softcap is not None, window=sp.window).items():
             want[k] = want.get(k, 0.0) + v
@@ -728,8 +729,10 @@ def test_cost_counts_each_items_work_and_sums_the_ranks_seconds(monkeypatch):
     assert got["matmul_flops_per_s"] == {"float64": 1e9, "float32": 4e9}
     assert got["model_forward_seconds"] == 3.0
     # the odd layer's family, cap and window change its count (so each is read)
-    assert cost.atlas_flops(N=12, d=8, r=8, m=16, H=6, H_kv=2, affine=False, softcap=True,
-                            window=7) != cost.atlas_flops(N=12, d=8, r=8, m=16, H=6, H_kv=2)
+    base = cost.atlas_flops(N=12, d=8, r=8, m=16, H=6, H_kv=2)
+    assert cost.atlas_flops(N=12, d=8, r=8, m=16, H=6, H_kv=2, affine=False) != base
+    assert cost.atlas_flops(N=12, d=8, r=8, m=16, H=6, H_kv=2, softcap=True) != base
+    assert cost.atlas_flops(N=12, d=8, r=8, m=16, H=6, H_kv=2, window=7) != base
     for k in want:
         assert got["phases"].get(k.replace("lowp", "float32"), {"flops": want[k]})["flops"] \
             == want[k]
@@ -926,8 +929,8 @@ def test_pool_by_hand():
 
     res = _hand_results()
     for c, r in enumerate(res):
-        r.arrays["inc_query"][:, -1] = [1.0, 0.0]
-        r.arrays["inc_query"][:, -2] = [0.0, 1.0]
+        r.arrays["inc_query"][:, -1] = [1.0, 1.0]
+        r.arrays["inc_query"][:, -2] = [0.0, 0.0]
         r.errors.append(f"layer 1: planted error of context {c}")
     r = res[1]
     r.arrays["id_abs"][0, 7] = 2 * r.arrays["id_bound"][0, 7] * r.value_scale[0]
@@ -935,8 +938,82 @@ def test_pool_by_hand():
     spec = HeadSpec(n_heads=2, n_kv_heads=1, head_dim=8)
     done = [(0, 1, res[0]), (1, 1, res[1])]
     layers, rep, failed = atlas.pool(done, {1: (spec, 16)}, [1], 8, torch.float32)
-    assert rep["per_layer"]["1"]["increase"] == 2 and rep["per_layer"]["1"]["heads"] == 4
+    assert rep["per_layer"]["1"]["increase"] == 4 and rep["per_layer"]["1"]["heads"] == 4
     assert failed == ["layer 1 head 0: identity_float64, float64_vs_native, finite",
                       "layer 1: planted error of context 0", "layer 1: planted error of context 1"]
     again = atlas.pool(done[::-1], {1: (spec, 16)}, [1], 8, torch.float32)
     assert again[2] == failed and again[1] == rep
+
+
+def test_summarise_layer_texts_and_reuse_denominators():
+    """The not-defined texts as written; the rRMSEs with denominators below 1 (still computed)
+    and zero (NaN, never a division by zero)."""
+    from ropestep.spec import HeadSpec
+
+    res = _hand_results()
+    for r in res:
+        for k in ("reuse_const", "reuse_mean"):
+            r.arrays[k] *= 1e-3
+    sp = HeadSpec(n_heads=2, n_kv_heads=1, head_dim=8)
+    out = atlas.summarise_layer(res, sp, 16, 8, torch.float32)
+    for h, hd in enumerate(out["heads"]):
+        fr, co, me = (np.concatenate([r.arrays[k][h] for r in res])
+                      for k in ("reuse_frozen", "reuse_const", "reuse_mean"))
+        ok = ~np.isnan(fr)
+        assert co[ok].sum() < 1 and me[ok].sum() < 1
+        assert hd["reuse"]["rrmse_vs_constant_anchor"] == pytest.approx(
+            np.sqrt(fr[ok].sum() / co[ok].sum()), rel=1e-12)
+        assert hd["reuse"]["rrmse_vs_cache_mean"] == pytest.approx(
+            np.sqrt(fr[ok].sum() / me[ok].sum()), rel=1e-12)
+    for r in res:
+        for k in ("reuse_const", "reuse_mean"):
+            r.arrays[k] *= 0.0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        zero = atlas.summarise_layer(res, sp, 16, 8, torch.float32)
+    for hd in zero["heads"]:
+        assert math.isnan(hd["reuse"]["rrmse_vs_constant_anchor"])
+        assert math.isnan(hd["reuse"]["rrmse_vs_cache_mean"])
+    capped = atlas.summarise_layer(res, HeadSpec(n_heads=2, n_kv_heads=1, head_dim=8,
+                                                 softcap=30.0), 16, 8, torch.float32)
+    assert capped["descent"] == (
+        "not defined: soft-capped scores (softcap 30.0); the unit step's descent statistics "
+        "are derived for phi = id (docs/math.md section 3); the identity, gauges and frozen "
+        "reuse hold as measured")
+    qk = atlas.summarise_layer(res, HeadSpec(n_heads=2, n_kv_heads=1, head_dim=8,
+                                             family="qknorm"), 16, 8, torch.float32)
+    assert qk["input_space"] == (
+        "not defined: the 'qknorm' score is not affine in u, so no input-space Delta M or "
+        "Hessian exists (docs/math.md section 8); frozen reuse is measured in query space: "
+        "R(p_a) applied to query i's normalised, unrotated query")
+
+
+def test_atlas_figures_on_layers_that_skip(tmp_path):
+    """The per-layer figure's x axis is the layers' own numbers (3 and 7 here, not 0 and 1);
+    the figures' directory is made with its parents."""
+    pytest.importorskip("matplotlib")
+    from matplotlib.figure import Figure
+
+    from ropestep.report import load as load_report
+
+    r = load_report(Path(__file__).resolve().parents[1] / "validation" / "atlas-smollm2"
+                    / "report.json")
+    r["layers"] = {"3": r["layers"]["3"], "7": r["layers"]["7"]}
+    drawn = {}
+    orig = Figure.savefig
+
+    def capture(self, fname, *a, **k):
+        drawn[Path(fname).name] = self
+        return orig(self, fname, *a, **k)
+
+    Figure.savefig = capture
+    try:
+        atlas.render_figures(r, tmp_path / "a" / "b" / "figures")
+    finally:
+        Figure.savefig = orig
+    axs = drawn["per_layer.png"].axes
+    data = [ln for ax in axs[:3] for ln in ax.get_lines() if ln.get_marker() == "o"]
+    assert len(data) >= 3  # (reference lines such as lambda = 2 span the axes instead)
+    for line in data:
+        assert list(line.get_xdata()) == [3, 7]
+    assert (tmp_path / "a" / "b" / "figures" / "per_layer.png").is_file()

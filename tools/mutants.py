@@ -924,6 +924,9 @@ EQUIVALENT: tuple[Equivalence, ...] = (
                   "non-interactive Agg backend cannot fail, which is all force decides (an "
                   "exception instead of a silent no-op on failure)")
       for after in ('"agg"', '"AGG"', "force=None", "force=False", '("Agg", )')),
+    Equivalence("atlas.render_figures", "plt.close(fig)", "plt.close(None)",
+                "plt.close(None) closes the current figure, which is fig: each figure is "
+                "created last before it is closed"),
     Equivalence("report.render_figures", "plt.close(fig)", "plt.close(None)",
                 "plt.close(None) closes the current figure, which is fig: the figure functions "
                 "create it last and nothing in between creates another"),
