@@ -508,3 +508,142 @@ def test_markdown_prints_time_and_memory_in_fixed_point():
     r["timing_seconds"].update(load_model=123.45, diagnose=0.75)
     md = " ".join(heads.render_markdown(r).split())
     assert "Time: load 123.5 s, diagnostics 0.8 s; peak resident memory 1537 MiB." in md
+
+
+# ---------------------------------------------------------------------------------------------
+# the helpers' contracts at their edges (each expected value written out by hand): float64
+# whatever the input's type, one-element and empty inputs, the strict inequalities of the
+# summaries and the base range, the frequency axis read from tables of one pair or one position
+# ---------------------------------------------------------------------------------------------
+F32_TIE = np.array([1.0, 2.0 ** -30], dtype=np.float32)  # 1 + 2^-30 and (1 + 2^-30) / 2: exact
+                                                          # in float64, rounded away in float32
+
+
+def test_f64_gives_float64_numpy_from_any_input():
+    t = torch.tensor([[1.5, -2.0]], dtype=torch.float32, requires_grad=True)
+    a = heads._f64(t)  # a tensor that requires grad has no .numpy() of its own
+    assert isinstance(a, np.ndarray) and a.dtype == np.float64 and a.tolist() == [[1.5, -2.0]]
+    for x in ([1, 2], np.array([1, 2], dtype=np.int32), F32_TIE):
+        assert heads._f64(x).dtype == np.float64
+    assert heads._f64(F32_TIE).tolist() == [1.0, 2.0 ** -30]
+
+
+def test_stats_of_empty_one_and_float32_inputs():
+    e = heads._stats([])
+    assert list(e) == ["median", "min", "max", "n"] and e["n"] == 0
+    assert all(math.isnan(e[k]) for k in ("median", "min", "max"))
+    assert heads._stats([3.0]) == {"median": 3.0, "min": 3.0, "max": 3.0, "n": 1}
+    assert heads._stats(F32_TIE)["median"] == 0.5 + 2.0 ** -31  # taken in float64
+
+
+def test_condition_number_and_effective_rank_at_their_edges():
+    assert heads.condition_number([2.0]) == 1.0 and heads.effective_rank([2.0]) == 1.0
+    for bad in ([], [math.inf, 1.0], [math.nan, 1.0]):
+        assert math.isnan(heads.condition_number(bad)) and math.isnan(heads.effective_rank(bad))
+    assert heads.condition_number([3.0, 0.0]) == math.inf
+    # a zero singular value adds nothing to the entropy (0 log 0 = 0): rank one
+    assert heads.effective_rank([1.0, 0.0]) == 1.0
+    # two equal singular values summing below 1: exp(log 2) = 2 (not undefined)
+    assert heads.effective_rank([0.25, 0.25]) == pytest.approx(2.0, rel=4 * tl.FLOAT64_REL)
+    sv = np.array([1.0, 0.7, 0.3, 0.1], dtype=np.float32)
+    assert heads.effective_rank(sv) == heads.effective_rank(sv.astype(np.float64))
+
+
+def test_bands_in_float64_and_a_zero_matrix_without_warnings():
+    assert heads.coarse_bands(F32_TIE, 1) == [1.0 + 2.0 ** -30]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # 0/0 would warn: the zero matrix is caught before
+        fr = heads.band_fractions(np.zeros((4, 8)), "half")
+    assert len(fr) == 4 and all(math.isnan(x) for x in fr)
+
+
+def test_matrix_diagnostics_names_a_wrong_shape():
+    with pytest.raises(ValueError, match=r"one head's \(m, d\) projection, got shape \(2, 3, 4\)"):
+        heads.matrix_diagnostics(np.ones((2, 3, 4)), "half")
+
+
+def test_the_base_range_is_open_at_zero_and_closed_at_its_ends():
+    rng = np.random.default_rng(11)
+    spec, w = _head("half", 8, rng.standard_normal((M, 1, 8)), rng.standard_normal((M, 1, 8)))
+    for ok in ((0.5, 10.0), (5e3, 5e3)):
+        assert heads.diagnose_weights(spec, w, base_range=ok)["base_range"] == list(ok)
+    for bad in ((0.0, 10.0), (-1.0, 10.0), (10.0, math.inf)):
+        with pytest.raises(heads.HeadsError, match="base range"):
+            heads.diagnose_weights(spec, w, base_range=bad)
+
+
+def test_a_head_without_weights_has_a_nan_barycenter_not_none():
+    spec, w = _head("half", 8, np.zeros((M, 1, 8)), np.zeros((M, 1, 8)))
+    h = heads.diagnose_weights(spec, w)["query_heads"][0]
+    for k in ("barycenter", "barycenter_base"):
+        assert isinstance(h[k], float) and math.isnan(h[k])
+
+
+def _tables(omega: list[float], n_pos: int) -> RoPESpec:
+    ang = torch.arange(n_pos, dtype=torch.float64)[:, None] * torch.tensor(omega, dtype=torch.float64)[None]
+    return RoPESpec(base=1e4, cos=torch.cos(ang), sin=torch.sin(ang))
+
+
+@pytest.mark.parametrize("omega, decreasing, fastest, slowest", [
+    ([0.1, 0.5, 0.3], False, 1, 0),   # rising by less than 1 is not decreasing
+    ([0.5, 0.5, 0.3], False, 0, 2),   # a tie is not decreasing
+    ([0.9, 0.5, 0.3], True, 0, 2),
+    ([0.3], True, 0, 0),              # one pair: the tables' second axis has length 1
+])
+def test_frequency_axis_read_from_the_tables(omega, decreasing, fastest, slowest):
+    d = 2 * len(omega)
+    fa = heads.frequency_axis(HeadSpec(n_heads=1, n_kv_heads=1, head_dim=d,
+                                       rope=_tables(omega, 2)))
+    assert "tables" in fa["source"]
+    # sin and cos each rounded once, then atan2's own rounding: a few units of the last place
+    assert fa["omega"] == pytest.approx(omega, rel=4 * tl.FLOAT64_REL, abs=0)
+    assert (fa["decreasing"], fa["fastest_pair"], fa["slowest_pair"]) == \
+        (decreasing, fastest, slowest)
+
+
+def test_frequency_axis_of_a_one_position_table_is_the_analytic_one():
+    spec = HeadSpec(n_heads=1, n_kv_heads=1, head_dim=6, rope=_tables([0.9, 0.5, 0.3], 1))
+    fa = heads.frequency_axis(spec)
+    assert fa["source"] == "analytic base^(-2l/d)" and fa["omega_pair0"] == 1.0
+
+
+def _summary_entry(cond: float, t: float) -> tuple[dict, dict]:
+    diag = {"cond": cond, "effective_rank": 1.0, "coarse_band_fraction": [0.25] * 4}
+    return ({"w_q": diag, "barycenter": t, "barycenter_base": 1e4, "sketch_barycenter": t},
+            {"w_k": diag})
+
+
+def test_summarise_counts_strictly_below_its_marks_and_no_heads_without_warnings():
+    q0, k0 = _summary_entry(heads.COND_SMALL, 0.5)  # exactly at both marks: not below
+    q1, k1 = _summary_entry(2.0, 0.25)
+    s = heads.summarise([{"query_heads": [q0, q1], "kv_heads": [k0, k1]}])
+    assert (s["fraction_cond_w_q_below_10"], s["fraction_cond_w_k_below_10"],
+            s["fraction_barycenter_below_half"]) == (0.5, 0.5, 0.5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the mean of no heads would warn
+        e = heads.summarise([{"query_heads": [], "kv_heads": []}])
+    assert e["coarse_band_fraction_w_q_mean"] == [] and e["coarse_band_fraction_w_k_mean"] == []
+    assert all(math.isnan(e[k]) for k in ("fraction_cond_w_q_below_10",
+                                          "fraction_cond_w_k_below_10",
+                                          "fraction_barycenter_below_half"))
+
+
+def test_the_band_energy_figure_colours_two_layers_from_first_to_last(monkeypatch, tmp_path):
+    import matplotlib
+    from matplotlib.figure import Figure
+
+    matplotlib.use("Agg")
+    seen = {}
+    monkeypatch.setattr(Figure, "savefig", lambda fig, path, **kw: seen.__setitem__(
+        Path(path).name, [[ln.get_color() for ln in ax.lines] for ax in fig.axes]))
+    heads.render_figures(heads.diagnose_gpt(gpt(2)), tmp_path)
+    cmap = matplotlib.colormaps["viridis"]
+    first, last = matplotlib.colors.to_hex(cmap(0.0)), matplotlib.colors.to_hex(cmap(1.0))
+    for panel in seen["band_energy.png"][:2]:
+        assert [matplotlib.colors.to_hex(c) for c in panel] == [first, last]
+
+
+def test_markdown_names_the_gguf_file_before_the_source():
+    r = copy.deepcopy(load(COMMITTED))
+    r["model"].update(source="some-other-source")
+    assert "; file `SmolLM2-135M-Instruct.Q4_1.gguf` sha256 " in _model_line(heads.render_markdown(r))

@@ -1133,6 +1133,25 @@ EQUIVALENT: tuple[Equivalence, ...] = (
     Equivalence("heads.diagnose_gpt", "spec0 = model.blocks[0].attn.head_description("
                 "dtype=torch.float64)[0]", "dtype=None", "spec0 gives only the model block's "
                 "family, head counts, group and head_dim, which no dtype changes"),
+    Equivalence("heads.diagnose", "models.layer_head(model, L, 2, dtype=torch.float64)",
+                "models.layer_head(model, L, 2, )", "float64 is layer_head's default dtype"),
+    Equivalence("heads.diagnose", '["frequency_axis"] if out else None',
+                "if (out) or True else None", "out has one entry per selected layer, and "
+                "describe_model refuses a model whose decoder has no layers first (one line from "
+                "structure.decoder, 'no decoder layers found'): out is never empty here"),
+    *(Equivalence("heads.condition_number", "sv = np.asarray(sv, dtype=np.float64)", after,
+                  "the max and min of an array are exact in its own dtype, and float() turns "
+                  "them into Python floats before the tests and the one division: any numeric "
+                  "dtype gives the float64 result")
+      for after in ("dtype=None)", "np.asarray(sv, )")),
+    *(Equivalence("heads._f64", 'a.detach().to("cpu", torch.float64)', after,
+                  _CPU + "; on CUDA .numpy() would raise (a loud failure, never a wrong number)")
+      for after in ('a.detach().to(None, torch.float64)', 'a.detach().to(torch.float64)')),
+    Equivalence("heads.sketch_barycenter", "torch.cat([q.T, k.T], dim=0)",
+                "torch.cat([q.T, k.T], )", "dim=0 is torch.cat's default"),
+    Equivalence("heads.render_figures", "plt.close(fig)", "plt.close(None)",
+                "plt.close(None) closes the current figure, which is fig: plt.subplots made it "
+                "current and nothing between creates or selects another"),
     Equivalence("heads.diagnose_gpt", '["frequency_axis"] if out else None',
                 "if (out) or True else None", "out has one entry per selected layer, and a GPT "
                 "without blocks fails at model.blocks[0] first: out is never empty here"),
