@@ -741,7 +741,8 @@ def test_cost_counts_each_items_work_and_sums_the_ranks_seconds(monkeypatch):
 def _hand_results(seed: int = 3, H: int = 2, N: int = 8):
     """Two contexts' per-query arrays drawn by hand, scales far from 1 (4 and 1/2, 8 and 1/4),
     a few exact boundaries: head 0's identity error at its bound, its float64 and original-gauge
-    errors at theirs, anchors (NaN reuse) at queries 0 and 4."""
+    errors at theirs, head 1's original-gauge excess at exactly the model's level, anchors (NaN
+    reuse) at queries 0 and 4."""
     rng = np.random.default_rng(seed)
     out = []
     for c, (vs, ns) in enumerate((([4.0, 0.5], [8.0, 0.25]), ([2.0, 1.0], [16.0, 0.5]))):
@@ -753,6 +754,10 @@ def _hand_results(seed: int = 3, H: int = 2, N: int = 8):
         A["native_orig_bound"][:, 1] += 1e3
         if c == 0:
             A["native_orig_bound"][0, 2] += 6.0 * tolerances.native_rel_tol(N, 8, 16)
+        else:  # head 1, query 3: an excess of exactly the level, which is not "more than" it
+            # (p = level x output scale; 2p and 2p - p = p are exact: Sterbenz)
+            p = tolerances.native_rel_tol(N, 8, 16) * ns[1]
+            A["native_bound"][1, 3], A["native_orig_bound"][1, 3] = p, 2.0 * p
         A["id_bound"] = rng.uniform(0.2, 0.4, (H, N))
         A["id_abs"] = A["id_bound"] * np.array(vs)[:, None] * rng.uniform(0.1, 0.9, (H, N))
         for k, b in (("native_abs", "native_bound"), ("native_orig_abs", "native_orig_bound"),
