@@ -747,6 +747,44 @@ def test_normalised_bound_covers_float32_rms_norm():
     assert max(v for (_, _, p), v in ratios.items() if p) > 0.02
 
 
+
+@pytest.mark.parametrize("dtype, u_acc, u_store", [(torch.float32, 2.0 ** -24, 2.0 ** -24),
+                                                   (torch.bfloat16, 2.0 ** -24, 2.0 ** -8)])
+@pytest.mark.parametrize("scope", ["head", "all"])
+def test_normalised_bound_by_hand(dtype, u_acc, u_store, scope):
+    """realchecks._normalised_abs recomputed here in numpy from its docstring's formula (the
+    projection's error E from tolerances.rotated_projection_abs, its RMS rho over the norm's n
+    features, r_lo = r - rho, Y, E_n and the rotation's roundings), on inputs whose sizes
+    differ per head and per token, so that a wrong reduction axis, constant or term shows; and
+    NaN where the error's RMS reaches the vector's."""
+    rng = np.random.default_rng(5)
+    n_tok, H, d, m, eps, rnd = 3, 2, 4, 16, 1e-3, 3
+    z = rng.standard_normal((n_tok, H, d)) * np.array([1.0, 3.0])[None, :, None] \
+        * np.array([0.5, 1.0, 4.0])[:, None, None]
+    A = np.abs(z) * 2.0 + rng.uniform(0.1, 0.5, (n_tok, H, d))
+    g = 1.0 + 0.3 * rng.standard_normal((d,) if scope == "head" else (H, d))
+    E = tl.rotated_projection_abs(dtype, torch.as_tensor(A), m).numpy()
+    ax = (-1,) if scope == "head" else (-2, -1)
+    nf = d if scope == "head" else H * d
+    rho = np.sqrt(np.mean(E ** 2, axis=ax, keepdims=True))
+    r = np.sqrt(np.mean(z ** 2, axis=ax, keepdims=True) + eps)
+    Y = np.abs(g) * (np.abs(z) + E) / (r - rho)
+    En = np.abs(g) * (E / (r - rho) + np.abs(z) * rho / (r * (r - rho))) \
+        + ((tl.HM_LAMBDA * np.sqrt(nf) + 8.0) * u_acc + 2.0 * u_store) * Y
+    want = En + rnd * u_store * Y
+    assert tl.unit_roundoff(dtype) == u_acc
+    got = rc._normalised_abs(dtype, torch.as_tensor(z), torch.as_tensor(A), m,
+                             torch.as_tensor(g), eps, scope, rnd).numpy()
+    assert np.all(r > rho) and got.shape == want.shape
+    np.testing.assert_allclose(got, want, rtol=1e-12, atol=0)
+    # one token whose projection error is as large as its RMS: no bound (NaN), the others kept
+    A2 = A.copy()
+    A2[1] *= 1e9
+    got2 = rc._normalised_abs(dtype, torch.as_tensor(z), torch.as_tensor(A2), m,
+                              torch.as_tensor(g), eps, scope, rnd).numpy()
+    assert np.all(np.isnan(got2[1])) and np.all(np.isfinite(got2[[0, 2]]))
+    np.testing.assert_allclose(got2[[0, 2]], want[[0, 2]], rtol=1e-12, atol=0)
+
 # ---------------------------------------------------------------------------------------------
 # SmolLM2-135M, last layer
 # ---------------------------------------------------------------------------------------------
