@@ -199,6 +199,14 @@ def _agrees(frozen: dict, real: dict, ref: Any = None) -> dict:
     assert not problems, f"{len(problems)} leaves disagree:\n" + "\n".join(problems[:40])
     assert counts["delegated"] > 300
     assert rep["verdict"]["pass"]
+    # and what the references do not compare -- the records' texts (each check's
+    # ``tolerance_from``, the conventions' routes), their structure and flags -- is what the frozen
+    # run wrote: checked here too, in the test that first computes the replay (mutation testing
+    # maps a function only to the tests during which it runs, and the replays are module fixtures)
+    written = loads(dumps(frozen["report"]))
+    for L in frozen["layers"]:
+        assert decisions(rep["layers"][L]["real_heads"]) == \
+            decisions(written["layers"][L]["real_heads"]), L
     return rep
 
 
