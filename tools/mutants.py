@@ -139,13 +139,17 @@ MUTMUT_PARTS: dict[str, dict[str, Any]] = {
             "tests/test_protocol.py::test_paper_setup_detection"]},
     # realchecks.py: every function; the fast subset replays a frozen tiny validate run's calls
     # (tests/test_realchecks_frozen.py: the claims and the 50-digit oracle rows against the
-    # references, seconds) and the QK-norm heads' checks (the frozen model has none)
+    # references, seconds), the checks' own tests on tiny models (QK-norm, soft-capped and
+    # NoPE heads too: the frozen model has none) and the references' comparisons on a tiny run
+    # -- not the real SmolLM2 contexts or the planted-bug sweeps (tens of seconds each).  The
+    # selection was widened from the first six keywords' tests (every one kept, so their kills
+    # stand: keep_kills_on_widening)
     "mutmut-realchecks": {
         "only_mutate": ["src/ropestep/realchecks.py"], "also_copy": ["validation", "docs"],
         "pytest_add_cli_args_test_selection": [
             "tests/test_realchecks_frozen.py", "tests/models/test_realchecks.py",
-            "-k", "frozen or qknorm or gemma3_gain or norm_scope or sample_rows "
-                  "or normalised_bound or bad_input"]},
+            "tests/test_reference_real_heads.py", "tests/test_reference_positional.py",
+            "-k", "not smollm2 and not planted_bug"]},
 }
 
 
@@ -1415,6 +1419,61 @@ def run_semantic(mutants: Sequence[Mutant], *, profile: str, timeout: float, wor
 # ---------------------------------------------------------------------------------------------
 # mutmut
 # ---------------------------------------------------------------------------------------------
+def _copy_selection(copy: Path) -> list[str] | None:
+    """The test selection of a kept copy's last mutmut run (its ``[tool.mutmut]``), or None."""
+    import tomllib
+
+    f = copy / "pyproject.toml"
+    if not f.is_file():
+        return None
+    sel = tomllib.loads(f.read_text(encoding="utf-8")).get("tool", {}).get("mutmut", {}).get(
+        "pytest_add_cli_args_test_selection")
+    return list(sel) if sel is not None else None
+
+
+def _collected(copy: Path, selection: Sequence[str], env: dict, log=None) -> set[str] | None:
+    """The node ids ``selection`` collects in ``copy`` (None if collection fails)."""
+    p = run_proc([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+                  *selection], copy, env, 600, log)
+    if p.rc != 0:
+        return None
+    return {ln.strip() for ln in p.output.splitlines() if "::" in ln and " " not in ln.strip()}
+
+
+def keep_kills_on_widening(copy: Path, old: Sequence[str] | None, new: Sequence[str], env: dict,
+                           log=None) -> str | None:
+    """Keep a kept copy's verdicts when its test selection is widened.
+
+    mutmut fingerprints the selection and resets every verdict when it changes.  A selection
+    that collects every test the old one did (checked here, by collecting both in the copy)
+    cannot turn a kill into a survival -- the killing test is still selected -- so the verdicts
+    stay and only the fingerprint is brought up to date; mutmut then collects statistics for the
+    tests that are new, and the survivors (retried by name, :func:`run_mutmut`) run them.  Any
+    other change (a narrower selection, other pytest options) is left to mutmut's reset.
+    Returns what was done, or None."""
+    stats = copy / "mutants" / "mutmut-stats.json"
+    if old is None or list(old) == list(new) or not stats.is_file():
+        return None
+    before, after = _collected(copy, old, env, log), _collected(copy, new, env, log)
+    if before is None or after is None or not before <= after:
+        return None
+    code = ("import json; from mutmut.configuration import config; "
+            "print(json.dumps(config().config_fingerprint()))")
+    p = run_proc([sys.executable, "-c", code], copy, env, 120, log)
+    if p.rc != 0:
+        return None
+    fp = json.loads(p.output.strip().splitlines()[-1])
+    data = json.loads(stats.read_text(encoding="utf-8"))
+    kept = data.get("config_fingerprint", {})
+    if {k: v for k, v in kept.items() if k != "test_selection"} != \
+            {k: v for k, v in fp.items() if k != "test_selection"}:
+        return None
+    data["config_fingerprint"] = {**kept, "test_selection": fp["test_selection"]}
+    stats.write_text(json.dumps(data), encoding="utf-8")
+    return (f"test selection widened ({len(before)} -> {len(after)} tests, every old one "
+            "kept): the verdicts stay, survivors are retried with the new tests")
+
+
 def mutmut_config(repo: Path = REPO) -> dict:
     import tomllib
 
@@ -1575,6 +1634,7 @@ def run_mutmut(*, files: Sequence[str] | None, profile: str, retry_profile: str 
     from mutmut.stats import status_by_exit_code
 
     t0 = time.monotonic()
+    old_selection = _copy_selection(work / part)  # what the kept copy's verdicts were made with
     copy = make_copy(work / part)
     cfg = mutmut_config()
     cfg.update(MUTMUT_PARTS[part])
@@ -1595,6 +1655,10 @@ def run_mutmut(*, files: Sequence[str] | None, profile: str, retry_profile: str 
     mutated = cfg.get("only_mutate", [])
     if seed_state(copy, part, mutated):
         progress(f"  continuing from the verdicts kept in {STATE.relative_to(REPO)}/{part}")
+    widened = keep_kills_on_widening(copy, old_selection,
+                                     cfg.get("pytest_add_cli_args_test_selection", []), env, log)
+    if widened:
+        progress(f"  {widened}")
     if retry_only:  # the survivors of an unfinished pass, with the tests added since
         progress(f"  no pass: the survivors so far of {', '.join(mutated)} retried")
     else:

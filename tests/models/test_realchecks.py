@@ -517,8 +517,8 @@ def qk():
                 # top-level base): hand the description its layer type's frequencies, as the
                 # positional checks' model side reads them
                 info = models.describe_model(model)
-                spec = replace(spec, rope=replace(spec.rope, freqs=rc._rotary_inv_freq(
-                    model, info.layers[L])))
+                spec = replace(spec, rope=replace(spec.rope, freqs=tuple(
+                    info.layers[L].inv_freq)))
             cache[name] = {"model": model, "layer": L, "x": cap.x, "pos": cap.positions,
                            "heads": cap.heads, "spec": spec, "w": w}
         return cache[name]
@@ -806,3 +806,138 @@ def test_smollm2_last_layer(smollm2):
           f"{sh['rel_max']:.1e} (err/tol {sh['ratio_max']:.1e})")
     for res in (conv, ex, pc, der, sh):
         assert res["ok"], res["check"]
+
+
+# ---------------------------------------------------------------------------------------------
+# each refusal names its argument and its rule; the edges of the rules are accepted
+# ---------------------------------------------------------------------------------------------
+def test_bad_input_messages_name_the_argument_and_the_rule(tiny, qk):
+    import re
+
+    m, x, pos, spec, w = tiny["model"], tiny["x"], tiny["pos"], tiny["spec"], tiny["w"]
+    xq, xb = tiny["xq"], tiny["xb"]
+    Q, Nb, hid = xq.shape[0], xb.shape[0], x.shape[1]
+    at = torch.full((Q,), N_CTX - 1)
+    bank = torch.arange(Nb)
+    ngr = rc.no_global_readout
+    other = qk("qwen3")  # a head description of another shape (H, H_kv, d)
+    per_head = replace(spec, rope=replace(spec.rope, base=tuple(
+        float(spec.rope.base) * (1 + k) for k in range(spec.n_heads)), cos=None, sin=None,
+        freqs=None))
+    cases = [
+        (lambda: ngr(spec, w, xq[:1], at[:1], xb, bank),
+         "no_global_readout needs at least 2 queries"),
+        (lambda: ngr(spec, w, xq, torch.arange(Q), xb, bank),
+         "no_global_readout: every query must sit at one position (shared bank)"),
+        (lambda: ngr(spec, w, xq, at, x, torch.arange(N_CTX) + 1),
+         "no_global_readout: bank keys must not lie after the query position"),
+        (lambda: ngr(spec, w, xq[:, :10], at, xb, bank),
+         f"x_q has width 10, the layer's input width is {hid}"),
+        (lambda: ngr(spec, w, xq, at, xb[:, :10], bank),
+         f"x_kv has width 10, the layer's input width is {hid}"),
+        (lambda: ngr(spec, w, xq, at[:2], xb, bank), f"pos_q must have shape ({Q},)"),
+        (lambda: ngr(spec, w, xq, at, xb, bank[:3]), f"pos_kv must have shape ({Nb},)"),
+        (lambda: rc.delta_m_rank(spec, replace(w, w_o=None), x, pos, [(0, 1)]),
+         "delta_m_rank needs weights.w_o (the output projection)"),
+        (lambda: rc.sample_rows(0, 5, 1, 0), "n_heads must be a positive int, got 0"),
+        (lambda: rc.sample_rows(2.5, 5, 1, 0), "n_heads must be a positive int, got 2.5"),
+        (lambda: rc.sample_rows(True, 5, 1, 0), "n_heads must be a positive int, got True"),
+        (lambda: rc.sample_rows(2, [], 1, 0), "no eligible queries (or a negative query index)"),
+        (lambda: rc.sample_rows(2, [-1, 3], 1, 0),
+         "no eligible queries (or a negative query index)"),
+        (lambda: rc.sample_rows(2, 5, 0, 0), "k must be a positive int, got 0"),
+        (lambda: rc.sample_rows(2, 5, 2.5, 0), "k must be a positive int, got 2.5"),
+        (lambda: rc.sample_rows(2, 5, True, 0), "k must be a positive int, got True"),
+        (lambda: rc.position_shift(m, LAYER, x, pos, 3), "queries must be a sequence of token "
+                                                         "indices"),
+        (lambda: rc.position_shift(m, LAYER, x, pos, []),
+         f"queries must be token indices in [0, {N_CTX}), got []"),
+        (lambda: rc.position_shift(m, LAYER, x, pos, [-1, 2]),
+         f"queries must be token indices in [0, {N_CTX}), got [-1, 2]"),
+        (lambda: rc.position_shift(m, LAYER, x, pos, [3], deltas=3),
+         "deltas must be a sequence of integers"),
+        (lambda: rc.position_shift(m, LAYER, x[:QK_N], pos[:QK_N], [3],
+                                   head=(other["spec"], other["w"])),
+         "head description and model disagree on (H, H_kv, d)"),
+        (lambda: rc.position_derivative(m, LAYER, x, pos, [3], head=(per_head, w)),
+         "per-head RoPE bases: the model has one rotary table"),
+        (lambda: rc.position_shift(m, LAYER, x, pos, [3], heads=tiny["heads"][:, :2]),
+         f"heads must be a float array of shape ({N_CTX}, {spec.n_heads}, {spec.head_dim}), "
+         f"got {tiny['heads'].dtype} ({N_CTX}, 2, {spec.head_dim})"),
+        (lambda: rc.position_shift(m, LAYER, x, pos, [3], heads=tiny["heads"].to(torch.int32)),
+         f"heads must be a float array of shape ({N_CTX}, {spec.n_heads}, {spec.head_dim}), "
+         f"got torch.int32"),
+    ]
+    for call, msg in cases:
+        with pytest.raises(ValueError, match=re.escape(msg)):
+            call()
+    # the edges of the rules are accepted: two queries; bank keys at the query's own position;
+    # one head; one row; query 0; the captured heads as a numpy array (the same anchor)
+    assert ngr(spec, w, xq[:2], at[:2], x, torch.arange(N_CTX))["queries"] == 2
+    assert rc.sample_rows(1, 5, 1, 0)[0][0] == 0 and len(rc.sample_rows(2, [0, 4], 1, 7)) == 1
+    r0 = rc.position_shift(m, LAYER, x, pos, [0], deltas=(1,), heads=tiny["heads"])
+    rn = rc.position_shift(m, LAYER, x, pos, [0], deltas=(1,), heads=tiny["heads"].numpy())
+    assert r0["rows"][0]["query"] == 0 and r0["anchor"] == rn["anchor"] and r0["anchor"]["ok"]
+
+
+# ---------------------------------------------------------------------------------------------
+# the anchor (the model's captured heads against the float64 composition): its tolerance in
+# each model dtype, recomputed here from its stated formula and the model's own projections
+# ---------------------------------------------------------------------------------------------
+def _rms(z: torch.Tensor, g: torch.Tensor, eps: float) -> torch.Tensor:
+    return z / (z.pow(2).mean(-1, keepdim=True) + eps).sqrt() * g
+
+
+@pytest.mark.parametrize("name,dtype", [("qwen2", torch.float64), ("qwen2", torch.float32),
+                                        ("qwen2", torch.bfloat16), ("qwen3", torch.float32),
+                                        ("qwen3", torch.bfloat16)])
+def test_anchor_tolerance_in_every_model_dtype_qknorm_and_plain(name, dtype, tiny_qwen2):
+    """``native_rel_tol`` (float32 and float64: transformers' eager softmax is float32) and, for bf16,
+    ``native_rel_tol_lowp(bf16, |q~|max |k~|max scale)`` -- times 4 with QK-norm -- with ``m`` the
+    layer's input width, or ``2 m + d + 8`` with a per-head QK-norm (docs/protocol.md's counts);
+    ``|q~|`` is rotation-invariant, so the unrotated projections (and norms) of the values the
+    model reads give it."""
+    import copy
+
+    from ropestep import archzoo
+
+    base = tiny_qwen2.model if name == "qwen2" else archzoo.build("qwen3", seed=0)
+    model = copy.deepcopy(base).to(dtype)
+    L, n = (LAYER, 24) if name == "qwen2" else (QK_LAYERS["qwen3"], QK_N)
+    ids = torch.randint(0, 200, (n,), generator=torch.Generator().manual_seed(4))
+    cap = models.capture(model, ids, [L])[L]
+    res = rc.position_shift(model, L, cap.x, cap.positions, [n - 1], deltas=(1,), heads=cap.heads)
+    a = res["anchor"]
+    cfg = model.config
+    H, Hk, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim if getattr(
+        cfg, "head_dim", None) else cfg.hidden_size // cfg.num_attention_heads
+    hid = cfg.hidden_size
+    if dtype in (torch.float64, torch.float32):  # a float64 model's softmax is float32's
+        mm = hid if name == "qwen2" else 2 * hid + d + 8
+        want = tl.native_rel_tol(n, d, mm)
+        src = "native_rel_tol" + (" (a float64 model's softmax runs in float32)"
+                                  if dtype == torch.float64 else "")
+    else:
+        attn = model.model.layers[L].self_attn
+        x64 = cap.x.to(dtype).double()
+
+        def proj(lin, nh):
+            z = x64 @ lin.weight.double().T
+            if lin.bias is not None:
+                z = z + lin.bias.double()
+            return z.view(n, nh, d)
+
+        q, k = proj(attn.q_proj, H), proj(attn.k_proj, Hk)
+        four = 1.0
+        if name == "qwen3":
+            q = _rms(q, attn.q_norm.weight.double(), attn.q_norm.variance_epsilon)
+            k = _rms(k, attn.k_norm.weight.double(), attn.k_norm.variance_epsilon)
+            four = 4.0
+        qk_max = float(q.norm(dim=-1).max() * k.norm(dim=-1).max()) * attn.scaling * four
+        want = tl.native_rel_tol_lowp(dtype, qk_max)
+        src = "native_rel_tol_lowp" + (" (QK-norm: 4 |q~||k~| scale)" if name == "qwen3" else "")
+    print(name, dtype, "anchor", a)
+    assert a["tolerance"] == pytest.approx(want, rel=1e-9 if dtype != torch.bfloat16 else 1e-6)
+    assert a["tolerance_from"] == (f"tolerances.{src}: the captured heads against this float64 "
+                                   "composition of the model's attention with its own tables")
+    assert a["ok"] and 0 < a["rel_max"] <= a["tolerance"]
