@@ -245,6 +245,51 @@ def test_tool_mutmut_config_and_diffs(tool, tmp_path):
     assert d["ropestep.kernel.x_f__mutmut_2"]["line"] == 6
 
 
+def test_tool_a_widened_selection_keeps_the_verdicts_a_narrowed_one_does_not(tool, tmp_path):
+    """keep_kills_on_widening: the kept fingerprint is brought up to mutmut's own for the new
+    selection only when every old test is still collected and nothing else changed."""
+    pytest.importorskip("mutmut")
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests" / "test_a.py").write_text(
+        "def test_one():\n    pass\n\n\ndef test_two():\n    pass\n")
+    old, wide, narrow = ["tests/test_a.py", "-k", "one"], ["tests/test_a.py"], \
+        ["tests/test_a.py", "-k", "two"]
+    env = tool.child_env(None, "quick", None)
+
+    def setup(selection, kept_fp):
+        (tmp_path / "pyproject.toml").write_text(
+            '[project]\nname = "x"\n\n[tool.mutmut]\nsource_paths = ["src"]\n'
+            f"pytest_add_cli_args_test_selection = {json.dumps(selection)}\n")
+        (tmp_path / "mutants").mkdir(exist_ok=True)
+        stats = tmp_path / "mutants" / "mutmut-stats.json"
+        stats.write_text(json.dumps({"config_fingerprint": kept_fp, "duration_by_test": {}}))
+        return stats
+
+    code = ("import json; from mutmut.configuration import config; "
+            "print(json.dumps(config().config_fingerprint()))")
+
+    def fingerprint():
+        p = tool.run_proc([sys.executable, "-c", code], tmp_path, env, 120)
+        assert p.rc == 0, p.output
+        return json.loads(p.output.strip().splitlines()[-1])
+
+    setup(old, {})
+    fp_old = fingerprint()
+    stats = setup(wide, fp_old)
+    fp_wide = fingerprint()
+    assert fp_wide["test_selection"] != fp_old["test_selection"]
+    said = tool.keep_kills_on_widening(tmp_path, old, wide, env)
+    assert said and "1 -> 2 tests" in said
+    assert json.loads(stats.read_text())["config_fingerprint"] == fp_wide
+    for selection, before in ((narrow, old), (wide, wide)):  # narrower; unchanged
+        stats = setup(selection, fp_old)
+        assert tool.keep_kills_on_widening(tmp_path, before, selection, env) is None
+        assert json.loads(stats.read_text())["config_fingerprint"] == fp_old
+    stats = setup(wide, {**fp_old, "test_execution": "other"})  # other pytest options changed
+    assert tool.keep_kills_on_widening(tmp_path, old, wide, env) is None
+    assert tool._copy_selection(tmp_path) == wide and tool._copy_selection(tmp_path / "no") is None
+
+
 # ---------------------------------------------------------------------------------------------
 # tests that kill specific mutants
 # ---------------------------------------------------------------------------------------------
