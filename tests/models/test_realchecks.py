@@ -941,3 +941,100 @@ def test_anchor_tolerance_in_every_model_dtype_qknorm_and_plain(name, dtype, tin
     assert a["tolerance_from"] == (f"tolerances.{src}: the captured heads against this float64 "
                                    "composition of the model's attention with its own tables")
     assert a["ok"] and 0 < a["rel_max"] <= a["tolerance"]
+
+
+# ---------------------------------------------------------------------------------------------
+# soft-capped and NoPE layers (tiny random Gemma 2: soft-cap 20, layer 0 windowed; SmolLM3:
+# layer 1 without RoPE), with the captured heads as the anchor
+# ---------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def zoo_layers():
+    from ropestep import archzoo
+
+    out = {}
+    for name, L in (("gemma2", 0), ("gemma2", 1), ("smollm3", 1)):
+        model = archzoo.build(name, seed=0)
+        ids = torch.randint(0, archzoo.VOCAB, (QK_N,), generator=torch.Generator().manual_seed(1))
+        out[(name, L)] = (model, models.capture(model, ids, [L])[L])
+    return out
+
+
+@pytest.mark.parametrize("name,L", [("gemma2", 0), ("gemma2", 1), ("smollm3", 1)])
+def test_soft_capped_and_nope_layers_positional_checks(zoo_layers, name, L):
+    model, cap = zoo_layers[(name, L)]
+    info = models.describe_model(model)
+    conv = info.layers[L]
+    d, hid = info.head_dim, info.hidden
+    qs = [5, QK_N - 1]
+    for check in (rc.position_derivative, rc.position_shift):
+        res = check(model, L, cap.x, cap.positions, qs, heads=cap.heads)
+        a = res["anchor"]
+        print(name, L, check.__name__, res["ratio_max"], a)
+        assert res["ok"] and a["ok"], res
+        assert a["tolerance"] == tl.native_rel_tol(QK_N, d, hid) and 0 < a["rel_max"]
+        if not conv.rotary:  # no RoPE: nothing depends on the position, on either side
+            key = "derivative_max" if check is rc.position_derivative else "difference_max"
+            assert all(r["err_max"] == 0 and r[key] == 0 for r in res["rows"])
+        else:
+            assert all(r["ratio"] > 0 for r in res["rows"])
+    if conv.softcap:
+        # ropestep's side without the soft-cap: the model's side (its own attention) disagrees
+        spec, w = models.layer_head(model, L, QK_N)
+        for check in (rc.position_derivative, rc.position_shift):
+            bad = check(model, L, cap.x, cap.positions, qs, head=(replace(spec, softcap=None), w))
+            assert not bad["ok"] and bad["ratio_max"] > 10
+
+
+def test_capped_derivative_bounds_against_the_transform_numerically():
+    """``_capped``: the bounds on ``z^(n)`` of ``z = c tanh(s / c)`` from bounds ``G_n`` on
+    ``|s^(n)|``, recomputed from the constants' maxima over a dense grid (``max|phi''|``,
+    ``max|phi'''|``, here by central differences of ``phi'`` in float64) and Faa di Bruno."""
+    c = 7.0
+    t = np.linspace(-8 * c, 8 * c, 400_001)
+    th = np.tanh(t / c)
+    p1 = 1 - th ** 2
+    p2 = -2 / c * th * p1
+    p3 = -2 / c ** 2 * p1 * (1 - 3 * th ** 2)
+    assert np.max(np.abs(np.gradient(p1, t) - p2)) < 1e-6  # the derivatives are right
+    k1, k2, k3 = np.max(np.abs(p1)), np.max(np.abs(p2)), np.max(np.abs(p3))
+    G = {0: 3.5, 1: 0.7, 2: 0.3, 3: 0.11}
+    got = rc._capped(G, c)
+    want = {0: G[0], 1: k1 * G[1], 2: k2 * G[1] ** 2 + k1 * G[2],
+            3: k3 * G[1] ** 3 + 3 * k2 * G[1] * G[2] + k1 * G[3]}
+    assert set(got) == {0, 1, 2, 3}
+    for n in range(4):
+        assert got[n] == pytest.approx(want[n], rel=1e-8), n
+    assert rc._capped(G, None) is G
+    s = torch.linspace(-30, 30, 7, dtype=torch.float64)
+    assert torch.equal(rc._phi(s, None), s)
+    assert torch.allclose(rc._phi(s, c), c * torch.tanh(s / c), rtol=0, atol=0)
+
+
+def test_no_global_readout_flags_follow_their_certified_bounds(tiny):
+    """A head whose values are zero has no refutation (lower bound 0: not ok, the whole check
+    fails though the write may pass); a zero output projection fails the write alone; values
+    scaled by 1e-3 keep every bound positive (certified below 1), and ok."""
+    spec, w, xq, xb = tiny["spec"], tiny["w"], tiny["xq"], tiny["xb"]
+    Q = xq.shape[0]
+    args = (xq, torch.full((Q,), N_CTX - 1), xb, torch.arange(N_CTX - 1))
+    wv = torch.as_tensor(w.w_v).clone()
+    bv = None if w.b_v is None else torch.as_tensor(w.b_v).clone()
+    wv[:, 0] = 0  # KV head 0: the query heads it serves have constant values
+    if bv is not None:
+        bv[0] = 0
+    dead = rc.no_global_readout(spec, replace(w, w_v=wv, b_v=bv), *args)
+    served = [h for h in range(spec.n_heads) if h // (spec.n_heads // spec.n_kv_heads) == 0]
+    for h in dead["heads"]:
+        assert h["ok"] == (h["head"] not in served), h
+    assert dead["combined"]["ok"] and not dead["ok"]
+    mute = rc.no_global_readout(spec, replace(w, w_o=torch.zeros_like(torch.as_tensor(w.w_o))),
+                                *args)
+    assert all(h["ok"] for h in mute["heads"]) and not mute["combined"]["ok"]
+    assert mute["combined"]["lower_certified"] <= 0 and not mute["ok"]
+    small = rc.no_global_readout(spec, replace(w, w_v=torch.as_tensor(w.w_v) * 1e-3,
+                                               b_v=None if bv is None else
+                                               torch.as_tensor(w.b_v) * 1e-3), *args)
+    assert small["ok"] and all(0 < h["lower_certified"] < 1 for h in small["heads"])
+    assert small["tolerance_from"] == (
+        "certified = computed - sqrt(r) FLOAT64_REL max|v| (the float64 outputs' error); the "
+        "claim: certified > 0")
