@@ -839,6 +839,10 @@ def test_bad_input_messages_name_the_argument_and_the_rule(tiny, qk):
         (lambda: ngr(spec, w, xq, at, xb, bank[:3]), f"pos_kv must have shape ({Nb},)"),
         (lambda: rc.delta_m_rank(spec, replace(w, w_o=None), x, pos, [(0, 1)]),
          "delta_m_rank needs weights.w_o (the output projection)"),
+        (lambda: rc.delta_m_rank(spec, w, x, pos, [(0, N_CTX)]),
+         f"row (head 0, query {N_CTX}) out of range: {spec.n_heads} heads, {N_CTX} queries"),
+        (lambda: rc.delta_m_rank(replace(spec, family="qknorm"), w, x, pos, [(0, 1)]),
+         "delta_m_rank: the claim is stated in input space"),
         (lambda: rc.sample_rows(0, 5, 1, 0), "n_heads must be a positive int, got 0"),
         (lambda: rc.sample_rows(2.5, 5, 1, 0), "n_heads must be a positive int, got 2.5"),
         (lambda: rc.sample_rows(True, 5, 1, 0), "n_heads must be a positive int, got True"),
@@ -890,7 +894,7 @@ def _rms(z: torch.Tensor, g: torch.Tensor, eps: float) -> torch.Tensor:
 
 @pytest.mark.parametrize("name,dtype", [("qwen2", torch.float64), ("qwen2", torch.float32),
                                         ("qwen2", torch.bfloat16), ("qwen3", torch.float32),
-                                        ("qwen3", torch.bfloat16)])
+                                        ("qwen3", torch.bfloat16), ("olmo2", torch.float32)])
 def test_anchor_tolerance_in_every_model_dtype_qknorm_and_plain(name, dtype, tiny_qwen2):
     """``native_rel_tol`` (float32 and float64: transformers' eager softmax is float32) and, for bf16,
     ``native_rel_tol_lowp(bf16, |q~|max |k~|max scale)`` -- times 4 with QK-norm -- with ``m`` the
@@ -901,9 +905,9 @@ def test_anchor_tolerance_in_every_model_dtype_qknorm_and_plain(name, dtype, tin
 
     from ropestep import archzoo
 
-    base = tiny_qwen2.model if name == "qwen2" else archzoo.build("qwen3", seed=0)
+    base = tiny_qwen2.model if name == "qwen2" else archzoo.build(name, seed=0)
     model = copy.deepcopy(base).to(dtype)
-    L, n = (LAYER, 24) if name == "qwen2" else (QK_LAYERS["qwen3"], QK_N)
+    L, n = (LAYER, 24) if name == "qwen2" else (QK_LAYERS[name], QK_N)
     ids = torch.randint(0, 200, (n,), generator=torch.Generator().manual_seed(4))
     cap = models.capture(model, ids, [L])[L]
     res = rc.position_shift(model, L, cap.x, cap.positions, [n - 1], deltas=(1,), heads=cap.heads)
@@ -913,7 +917,8 @@ def test_anchor_tolerance_in_every_model_dtype_qknorm_and_plain(name, dtype, tin
         cfg, "head_dim", None) else cfg.hidden_size // cfg.num_attention_heads
     hid = cfg.hidden_size
     if dtype in (torch.float64, torch.float32):  # a float64 model's softmax is float32's
-        mm = hid if name == "qwen2" else 2 * hid + d + 8
+        # m; with QK-norm 2 m + n + 8, n the norm's width: d per head, H d over the projection
+        mm = {"qwen2": hid, "qwen3": 2 * hid + d + 8, "olmo2": 2 * hid + H * d + 8}[name]
         want = tl.native_rel_tol(n, d, mm)
         src = "native_rel_tol" + (" (a float64 model's softmax runs in float32)"
                                   if dtype == torch.float64 else "")
