@@ -927,16 +927,16 @@ def test_anchor_tolerance_in_every_model_dtype_qknorm_and_plain(name, dtype, tin
         x64 = cap.x.to(dtype).double()
 
         def proj(lin, nh):
-            z = x64 @ lin.weight.double().T
+            z = x64 @ lin.weight.detach().double().T
             if lin.bias is not None:
-                z = z + lin.bias.double()
+                z = z + lin.bias.detach().double()
             return z.view(n, nh, d)
 
         q, k = proj(attn.q_proj, H), proj(attn.k_proj, Hk)
         four = 1.0
         if name == "qwen3":
-            q = _rms(q, attn.q_norm.weight.double(), attn.q_norm.variance_epsilon)
-            k = _rms(k, attn.k_norm.weight.double(), attn.k_norm.variance_epsilon)
+            q = _rms(q, attn.q_norm.weight.detach().double(), attn.q_norm.variance_epsilon)
+            k = _rms(k, attn.k_norm.weight.detach().double(), attn.k_norm.variance_epsilon)
             four = 4.0
         qk_max = float(q.norm(dim=-1).max() * k.norm(dim=-1).max()) * attn.scaling * four
         want = tl.native_rel_tol_lowp(dtype, qk_max)
