@@ -1159,6 +1159,41 @@ EQUIVALENT: tuple[Equivalence, ...] = (
     Equivalence("heads.diagnose_gpt", '["frequency_axis"] if out else None',
                 "if (out) or True else None", "out has one entry per selected layer, and a GPT "
                 "without blocks fails at model.blocks[0] first: out is never empty here"),
+    # realchecks.no_global_readout: the queries share one position (checked first) and one bank
+    Equivalence("realchecks.no_global_readout", "if not bool((pq == pq[0]).all()):", "pq[1]",
+                "Q >= 2 is checked just before, so pq[1] exists, and every entry equals pq[0] "
+                "exactly when every entry equals pq[1]"),
+    *(Equivalence("realchecks.no_global_readout", orig, "pq[1]",
+                  "every query sits at one position (checked above): pq[1] == pq[0]")
+      for orig in ("if bool((pk > pq[0]).any()):", "torch.full((Pn,), int(pq[0]))")),
+    Equivalence("realchecks.no_global_readout", "y, mu = st.y, st.mu[:, 0]", "st.mu[:, 1]",
+                "mu is the uniform mean of the bank's values, and every query (and midpoint) "
+                "reads the same bank (mask 'bank'): the same mu for each"),
+    *(Equivalence("realchecks.no_global_readout", orig, '"HPR,HRD->PD"',
+                  "einsum labels are case-sensitive names: upper-case ones name the same axes")
+      for orig in ('o = torch.einsum("hpr,hrd->pd", y, wo)', 'torch.einsum("hpr,hrd->pd", y.abs()')),
+    *(Equivalence("realchecks.no_global_readout", orig, "dim=+1", why)
+      for orig, why in (("upper = worst(torch.linalg.vector_norm(e, dim=-1))",
+                         "e is 2-D (inputs, r): axis +1 is axis -1"),
+                        ("lo = torch.linalg.vector_norm(og, dim=-1) / 2",
+                         "og is 2-D (pairs, hidden): axis +1 is axis -1"))),
+    *(Equivalence("realchecks.no_global_readout", "torch.ones(Pn, 1, dtype=F64)", after,
+                  "ones are exact in float32 (the default dtype) and torch.cat promotes them to "
+                  "X's float64: the same U")
+      for after in ("torch.ones(Pn, 1, dtype=None)", "torch.ones(Pn, 1, )")),
+    *(Equivalence("realchecks.no_global_readout", 'driver="gelsd").solution', after,
+                  "the barycentric system has full column rank (its first Q rows are the "
+                  "identity), so every LAPACK driver returns its unique least-squares solution, "
+                  "to rounding (2.9e-16 measured) far inside the comparisons' tolerances; torch "
+                  "reads the driver name case-insensitively")
+      for after in ("driver=None).solution", "y[h] - mu[h], ).solution",
+                    'driver="GELSD").solution')),
+    *(Equivalence(f"realchecks.{fn}", 'torch.as_tensor(weights.w_o).to("cpu", F64)', after, _CPU)
+      for fn in ("no_global_readout", "delta_m_rank")
+      for after in ('.to(None, F64)', '.to(F64)')),
+    Equivalence("realchecks.sample_rows", "replace=False)", "replace=None)",
+                "numpy's Generator.choice tests `replace` for truth: None draws without "
+                "replacement, as False does"),
 )
 
 
