@@ -1472,7 +1472,7 @@ def _collected(copy: Path, selection: Sequence[str], env: dict, log=None) -> set
                   *selection], copy, env, 600, log)
     if p.rc != 0:
         return None
-    return {ln.strip() for ln in p.output.splitlines() if "::" in ln and " " not in ln.strip()}
+    return {ln.strip() for ln in p.output.splitlines() if "::" in ln}
 
 
 def keep_kills_on_widening(copy: Path, old: Sequence[str] | None, new: Sequence[str], env: dict,

@@ -278,7 +278,7 @@ def _normalised_abs(dtype: torch.dtype, z: torch.Tensor, A: torch.Tensor, n_term
     large as the vector's RMS) is NaN, a failure.
     """
     u_acc = tl.unit_roundoff(dtype)
-    u_store = {torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11}.get(dtype, u_acc)
+    u_store = tl.STORAGE_ROUNDOFF.get(dtype, u_acc)
     red = (-1,) if scope == "head" else (-2, -1)
     n = z.shape[-1] if scope == "head" else z.shape[-1] * z.shape[-2]
     E = tl.rotated_projection_abs(dtype, A, n_terms)

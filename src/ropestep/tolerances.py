@@ -113,6 +113,11 @@ SLACK_READOUT_BOUND = 10.0
 dominates (the ``FLOAT64_REL`` power cases, original gauge, float64): worst 0.328."""
 
 
+STORAGE_ROUNDOFF = {torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11}
+"""Unit roundoff of the low-precision storage dtypes: their values are stored rounded to it,
+while their arithmetic runs in float32 (:func:`unit_roundoff`)."""
+
+
 def unit_roundoff(dtype: torch.dtype) -> float:
     """Unit roundoff of the arithmetic dtype (bf16/fp16 inputs compute in float32)."""
     if dtype in (torch.bfloat16, torch.float16, torch.float32):
@@ -759,7 +764,7 @@ def rotated_projection_abs(dtype: torch.dtype, abs_terms, n_terms: int):
     rotated) is covered by the same bound with ``abs_terms = A_c``.
     """
     u_acc = unit_roundoff(dtype)
-    u_store = {torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11}.get(dtype, u_acc)
+    u_store = STORAGE_ROUNDOFF.get(dtype, u_acc)
     return (HM_LAMBDA * float(np.sqrt(n_terms)) * u_acc + 4.0 * u_store) * abs_terms
 
 

@@ -273,7 +273,7 @@ def _norm_weight(norm: Any, d: int, what: str) -> tuple[torch.Tensor, float]:
     # the products, and -- in a bf16/fp16 module -- the stored normalised value and the stored
     # product (two roundings of the storage dtype, doubled for the division by zz above)
     u = tl.unit_roundoff(p.dtype) if p.dtype != F64 else 2.0 ** -53
-    u_store = {torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11}.get(p.dtype, 0.0)
+    u_store = tl.STORAGE_ROUNDOFF.get(p.dtype, 0.0)
     for g in (w, 1.0 + w):  # the two forms transformers uses: w z / rms, (1 + w) z / rms
         tol = ((d + 8) * u + 4 * u_store) * (g.abs().max() + 1.0)
         if g.shape[0] == d and torch.allclose(g_rows, g.expand_as(g_rows), rtol=0,
