@@ -12,7 +12,8 @@ whole tiny run.
 
 Here the same run is frozen: ``tests/data/realchecks_tiny_calls.pt`` holds, for the seeded
 model and command of ``test_reference_real_heads`` (two oracle rows), the arguments of every
-``real_checks`` and ``oracle_job`` call (the model itself, pickled, and the captured context),
+``real_checks`` and ``oracle_job`` call (the captured context, and the model's weights: the
+replay rebuilds the model under today's transformers),
 what the rest of the run pooled, the report the run wrote and the references' recomputation
 from its ``--dump-raw`` dump.  The test replays the calls with today's ``realchecks``, pools the
 records as the run does and compares every leaf with the references under the tolerances and
@@ -33,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from safetensors.torch import load_file
 
 from ropestep import cli, protocol
@@ -93,14 +95,32 @@ def _generate(root: Path) -> dict:
     assert len(seen["oracle"]) >= 2 * len(report["layers"]) // 2
     raw_files = {str(p.relative_to(root / "raw")): p.read_bytes()
                  for p in sorted((root / "raw").rglob("*")) if p.is_file()}
-    return {**seen, "layers": list(report["layers"]), "report": report, "raw_files": raw_files,
-            "ref": reference.recompute(root / "raw"),
+    state = {k: v.detach().clone() for k, v in seen.pop("model").state_dict().items()}
+    return {**seen, "model_state": state, "layers": list(report["layers"]), "report": report,
+            "raw_files": raw_files, "ref": reference.recompute(root / "raw"),
             "contexts": contexts_reference(root / "raw", str(model))}
+
+
+def _rebuild(state: dict, root: Path) -> Any:
+    """The run's model under today's transformers: the seeded directory of ``build_model``,
+    loaded as the command loads it, with the frozen weights put back (a pickled module would
+    tie the file to the transformers release that wrote it; its init order is not ours)."""
+    from ropestep.models import load_model
+
+    model, _ = load_model(build_model(root / "model"), tokenizer=False)
+    got = model.state_dict()
+    assert set(got) == set(state), sorted(set(got) ^ set(state))
+    model.load_state_dict(state, strict=True)
+    assert all(torch.equal(got[k], state[k]) for k in state)  # put back, tied ones included
+    return model
 
 
 @pytest.fixture(scope="module")
 def frozen(tmp_path_factory) -> dict:
-    return frozen_run(DATA, _generate, tmp_path_factory)
+    data = frozen_run(DATA, _generate, tmp_path_factory)
+    assert "model" not in data, "the frozen file pickles a model: rebuild it (module docstring)"
+    data["model"] = _rebuild(data["model_state"], tmp_path_factory.mktemp("rebuilt"))
+    return data
 
 
 def _by_layer(frozen: dict, records: list[dict]) -> dict[int, list[dict]]:

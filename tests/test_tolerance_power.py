@@ -973,6 +973,8 @@ NEEDS_MODEL = {"LINEAR64_TOL", "CAPTURE_DTYPE_REL"}
 
 EXEMPT = {  # public names of the module that are not tolerances, and why
     "unit_roundoff": "the dtype's unit roundoff: a fact, not a choice",
+    "STORAGE_ROUNDOFF": "the storage dtypes' unit roundoffs: facts, not choices (checked "
+                        "against torch.finfo below)",
     "score_limit": "log of the dtype's largest finite number: a fact, not a choice",
     "KAPPA_FLOOR": "relevance threshold: below it kappa scales no tolerance (see its comment)",
     "exact_tol": "separation threshold of exact-arithmetic identities (see its section)",
@@ -1024,6 +1026,15 @@ def test_a_tolerance_loosened_10x_fails(name, kind, check, monkeypatch):
         monkeypatch.setattr(tl, name, lambda *a, **k: _times10(orig(*a, **k)))
     with pytest.raises(AssertionError, match="looser than stated"):
         check()
+
+
+def test_storage_roundoff_is_the_dtypes_unit_roundoff():
+    """The exempt table of storage roundoffs is the IEEE-754 fact it names: half the spacing of
+    the dtype at 1 (``torch.finfo(dtype).eps / 2``), for every low-precision dtype torch stores
+    a model in."""
+    assert set(tl.STORAGE_ROUNDOFF) == {torch.bfloat16, torch.float16}
+    for dt, u in tl.STORAGE_ROUNDOFF.items():
+        assert u == torch.finfo(dt).eps / 2, (dt, u)
 
 
 def test_every_tolerance_is_listed():
