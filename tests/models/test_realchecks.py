@@ -1043,3 +1043,74 @@ def test_no_global_readout_flags_follow_their_certified_bounds(tiny):
     assert small["tolerance_from"] == (
         "certified = computed - sqrt(r) FLOAT64_REL max|v| (the float64 outputs' error); the "
         "claim: certified > 0")
+
+
+def test_input_checks_name_the_argument_the_rule_and_the_value(tiny):
+    """Each shared input check (floats, shapes, positions, the bank, rows, the head given, the
+    layer) refuses with its own full message, the argument's name and the offending value; the
+    numpy forms of the same inputs are accepted as the tensors are."""
+    import re
+
+    m, x, pos, spec, w = tiny["model"], tiny["x"], tiny["pos"], tiny["spec"], tiny["w"]
+    hid = x.shape[1]
+    rows = [(0, 3)]
+    dmr = rc.delta_m_rank
+    name = models.describe_model(m).name
+    n_layers = models.describe_model(m).n_layers
+    short_spec, _ = models.layer_head(m, LAYER, 32)  # RoPE tables of 32 positions
+    late = torch.arange(N_CTX) + 10  # keys 10 positions later: queries 0..9 read nothing
+    cosine = replace(spec)  # a family the checks do not cover (HeadSpec would refuse the
+    object.__setattr__(cosine, "family", "cosine")  # unscaled cosine spec: set it after)
+    cases = [
+        (lambda: dmr(spec, w, None, pos, rows), "x is missing"),
+        (lambda: dmr(spec, w, x.to(torch.int64), pos, rows),
+         "x must hold floats, got dtype torch.int64"),
+        (lambda: dmr(spec, w, np.full(x.shape, np.nan), pos, rows), "x contains NaN or inf"),
+        (lambda: dmr(spec, w, x[0], pos, rows), f"x must have shape (tokens, m), got ({hid},)"),
+        (lambda: dmr(spec, w, x[:0], pos[:0], rows), f"x must have shape (tokens, m), got (0, {hid})"),
+        (lambda: dmr(spec, w, x[:, :10], pos, rows), f"x has width 10, the layer's input width is {hid}"),
+        (lambda: dmr(spec, w, x, pos[:-1], rows),
+         f"positions must have shape ({N_CTX},), got ({N_CTX - 1},)"),
+        (lambda: dmr(spec, w, x, pos - 1, rows), "positions must be >= 0, got -1"),
+        (lambda: dmr(spec, w, x, pos.double() + 0.5, rows),
+         "positions must hold integer positions, got dtype float64"),
+        (lambda: dmr(spec, "w", x, pos, rows), "weights must be HeadWeights, got str"),
+        (lambda: dmr("spec", w, x, pos, rows), "spec must be a HeadSpec, got str"),
+        (lambda: dmr(cosine, w, x, pos, rows),
+         "score family 'cosine' is not covered by realchecks (they cover 'dot': Llama, Qwen2; "
+         "and 'qknorm': Qwen3, Gemma 3, OLMo 2)"),
+        (lambda: dmr(spec, w, x, pos, rows, x_kv=x), "give both x_kv and pos_kv, or neither"),
+        (lambda: dmr(spec, w, x, pos, rows, x_kv=x[:, :10], pos_kv=pos),
+         f"x_kv has width 10, the layer's input width is {hid}"),
+        (lambda: dmr(spec, w, x, pos, rows, x_kv=x, pos_kv=pos - 1),
+         "pos_kv must be >= 0, got -1"),
+        (lambda: dmr(spec, w, x, pos, rows, x_kv=x, pos_kv=late),
+         "queries [0, 1, 2, 3, 4, 5, 6, 7] have no key at or before their position"),
+        (lambda: dmr(spec, w, x, pos + 1, rows),
+         f"positions up to {N_CTX} but the RoPE tables cover [0, {N_CTX})"),
+        (lambda: dmr(spec, w, x, pos, 5), "rows must be a sequence of (head, query) pairs"),
+        (lambda: dmr(spec, w, x, pos, []), "no rows given"),
+        (lambda: rc.conventions(m, LAYER, x, pos, head=(spec, "w")),
+         "weights must be HeadWeights, got str"),
+        (lambda: rc.conventions(m, LAYER, x, pos, head=(spec, replace(w, w_q="q"))),
+         "w_q must be an array (numpy or torch), got str"),
+        (lambda: rc.conventions(m, LAYER, x, pos, head=(short_spec, w)),
+         f"the given head's RoPE tables cover 32 positions, {N_CTX} are needed"),
+        (lambda: rc.conventions(m, True, x, pos), "layer must be an int, got bool"),
+        (lambda: rc.conventions(m, "1", x, pos), "layer must be an int, got str"),
+        (lambda: rc.conventions(m, n_layers, x, pos),
+         f"{name}: layer {n_layers} out of range 0..{n_layers - 1}"),
+        (lambda: rc.position_derivative(m, LAYER, x[:3], torch.tensor([0, 2, 1]), [1]),
+         "positions must be strictly increasing (the model masks by sequence order, so "
+         "positions must follow it)"),
+        (lambda: rc.position_derivative(m, LAYER, x[:2], torch.tensor([0, 0]), [1]),
+         "positions must be strictly increasing"),
+    ]
+    for call, msg in cases:
+        with pytest.raises(ValueError, match="^" + re.escape(msg)):
+            call()
+    # the same inputs as numpy arrays, and the last layer and the first row, are accepted
+    a = dmr(spec, w, x.numpy(), pos.numpy(), [(0, 0)])
+    b = dmr(spec, w, x, pos, [(0, 0)])
+    assert a == b
+    assert rc.conventions(m, np.int64(n_layers - 1), x[:4], pos[:4])["ok"]
