@@ -1114,3 +1114,29 @@ def test_input_checks_name_the_argument_the_rule_and_the_value(tiny):
     b = dmr(spec, w, x, pos, [(0, 0)])
     assert a == b
     assert rc.conventions(m, np.int64(n_layers - 1), x[:4], pos[:4])["ok"]
+
+
+def test_conventions_on_a_yarn_model_carry_its_rotary_amplitude(build_tiny):
+    """YaRN scales the rotary tables by an amplitude ``a = 0.1 ln(factor) + 1`` (1.139 at factor
+    4), so the model's rotated q and k are ``a`` times the unscaled rotation and its score scale
+    is ``scaling a^2``: the conventions check passes only with ``a`` carried on both sides and in
+    the scale, and records the amplitude it read from the model's own cos table."""
+    model = build_tiny("llama", seed=5, num_hidden_layers=1, hidden_size=256,
+                       num_attention_heads=4, num_key_value_heads=2,
+                       rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6,
+                                        "original_max_position_embeddings": 256})
+    a = float(model.model.rotary_emb.attention_scaling)
+    assert a == pytest.approx(0.1 * np.log(4.0) + 1.0, rel=1e-6)  # the model's own amplitude
+    ids = torch.randint(0, model.config.vocab_size, (24,), generator=torch.Generator().manual_seed(1))
+    cap = models.capture(model, ids, [0])[0]
+    record: dict = {}
+    res = rc.conventions(model, 0, cap.x, cap.positions, record=record)
+    assert res["ok"] and res["scale"]["ok"], res
+    assert float(record["amplitude"]) == pytest.approx(a, rel=1e-6)
+    cos = model.model.rotary_emb(cap.x[None].float(), cap.positions[None])[0][0]
+    assert torch.equal(record["rotary_cos"].float(), cos.reshape(-1, cos.shape[-1]))
+    # the score scale the model applies is scaling * a^2 (the head description's); the head
+    # description reads a from the float32 cos table, so a agrees to float32's 2^-24 per factor
+    spec, _ = models.layer_head(model, 0, 24)
+    sc = model.model.layers[0].self_attn.scaling
+    assert float(spec.score_scale(0)) == pytest.approx(sc * a * a, rel=4 * 2.0 ** -24)
