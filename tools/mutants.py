@@ -1191,6 +1191,16 @@ EQUIVALENT: tuple[Equivalence, ...] = (
     *(Equivalence(f"realchecks.{fn}", 'torch.as_tensor(weights.w_o).to("cpu", F64)', after, _CPU)
       for fn in ("no_global_readout", "delta_m_rank")
       for after in ('.to(None, F64)', '.to(F64)')),
+    # realchecks: the CPU moves of tensors that are float64 on the CPU after the move (the
+    # model's captured tensors, the head description's weights, the rotary tables)
+    *(Equivalence(f"realchecks.{fn}", orig, after, _CPU)
+      for fn, orig in (("conventions", '.to("cpu", F64)'), ("_one_head", '.to("cpu", F64)'),
+                       ("_setup_positional", '.to("cpu", F64)'),
+                       ("_Attention64.heads_with_model_tables", '.to("cpu", F64)'))
+      for after in (".to(None, F64)", ".to(F64)")),
+    *(Equivalence(f"realchecks.{fn}", "xt.to(dev, mdt)", after,
+                  _CPU + ": dev is the model's device, the CPU in this suite")
+      for fn in ("conventions", "_setup_positional") for after in ("xt.to(None, mdt)", "xt.to(mdt)")),
     Equivalence("realchecks.sample_rows", "replace=False)", "replace=None)",
                 "numpy's Generator.choice tests `replace` for truth: None draws without "
                 "replacement, as False does"),
