@@ -1140,3 +1140,41 @@ def test_conventions_on_a_yarn_model_carry_its_rotary_amplitude(build_tiny):
     spec, _ = models.layer_head(model, 0, 24)
     sc = model.model.layers[0].self_attn.scaling
     assert float(spec.score_scale(0)) == pytest.approx(sc * a * a, rel=4 * 2.0 ** -24)
+
+
+def test_positive_coefficients_fail_on_a_zero_and_report_the_oracles_rows(tiny, tiny_reference,
+                                                                          monkeypatch):
+    """The claim is strict (``c > 0``): a zero coefficient fails it, in the fast path or on the
+    oracle's rows; a NaN is located before any finite minimum; the exact part reports its rows
+    and their minimum as the oracle holds them."""
+    import copy
+
+    rows, ref = tiny_reference
+    spec, w, x, pos = tiny["spec"], tiny["w"], tiny["x"], tiny["pos"]
+    res = rc.positive_coefficients(spec, w, x, pos, reference=ref)
+    want = min(float(ref.c[r_].min()) for r_ in ref.rows)
+    assert res["exact"] == {"rows": len(rows), "min_c": want, "ok": True}
+    assert res["tolerance"] == 0.0 and res["tolerance_from"] == (
+        "strict: c > 0; float64 c is within FLOAT64_REL relative of the exact value, so its "
+        "sign is the exact sign")
+    zero_ref = copy.copy(ref)
+    zero_ref.c = {r_: ref.c[r_] * 0 for r_ in ref.rows}  # the oracle's coefficients all zero
+    bad = rc.positive_coefficients(spec, w, x, pos, reference=zero_ref)
+    assert bad["exact"]["min_c"] == 0.0 and not bad["exact"]["ok"] and not bad["ok"]
+    orig = fast.step
+
+    def planted(value, extra=None):
+        def step(*a, **k):
+            st = orig(*a, **k)
+            st.c[1, 7, 3] = value
+            if extra is not None:
+                st.c[0, 9, 1] = extra
+            return st
+        return step
+
+    monkeypatch.setattr(fast, "step", planted(0.0))
+    z = rc.positive_coefficients(spec, w, x, pos)
+    assert z["min_c"] == 0.0 and not z["ok"] and z["argmin"] == {"head": 1, "query": 7, "key": 3}
+    monkeypatch.setattr(fast, "step", planted(float("nan"), extra=-1.0))
+    n = rc.positive_coefficients(spec, w, x, pos)
+    assert not n["ok"] and n["argmin"] == {"head": 1, "query": 7, "key": 3}  # the NaN first
