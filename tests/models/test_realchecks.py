@@ -1178,3 +1178,49 @@ def test_positive_coefficients_fail_on_a_zero_and_report_the_oracles_rows(tiny, 
     monkeypatch.setattr(fast, "step", planted(float("nan"), extra=-1.0))
     n = rc.positive_coefficients(spec, w, x, pos)
     assert not n["ok"] and n["argmin"] == {"head": 1, "query": 7, "key": 3}  # the NaN first
+
+
+def test_delta_m_rank_statistics_on_planted_matrices(tiny, monkeypatch):
+    """The rank statistics recomputed on planted ``Delta M_i`` with a known spectrum: ``keys``
+    counts the causal bank (the query's own key included), ``bound = min(d, r, N_i - 1)``, a
+    rank above the bound fails the row, and a zero matrix reports ``sigma_max = 0``, the
+    threshold itself as its ratio and 0 after d (no 0/0)."""
+    spec, w, x, pos = tiny["spec"], tiny["w"], tiny["x"], tiny["pos"]
+    d, r = spec.head_dim, spec.r
+    m1 = x.shape[1] + 1
+    orig = fast.step
+    g = torch.Generator().manual_seed(4)
+    U, _ = torch.linalg.qr(torch.randn(m1, r, generator=g, dtype=torch.float64))
+    V, _ = torch.linalg.qr(torch.randn(r, r, generator=g, dtype=torch.float64))
+    spectrum = torch.tensor([4.0, 2.0, 1.0, 0.5, 0.25] + [0.0] * (r - 5), dtype=torch.float64)
+    planted = {(0, 3): U @ torch.diag(spectrum) @ V.T, (1, 20): torch.zeros(m1, r,
+                                                                         dtype=torch.float64)}
+    rows = sorted(planted)
+    qidx = sorted({i for _, i in rows})
+
+    def step(*a, **k):
+        st = orig(*a, **k)
+        for (h, i), dm in planted.items():
+            st.delta_m[h, qidx.index(i)] = dm
+        return st
+
+    monkeypatch.setattr(fast, "step", step)
+    # W_o,h = [I_r | 0]: the product's singular values are Delta M_i's own
+    hidden = int(torch.as_tensor(w.w_o).shape[-1])
+    wo = torch.zeros(spec.n_heads, r, hidden, dtype=torch.float64)
+    wo[:, :, :r] = torch.eye(r, dtype=torch.float64)
+    res = rc.delta_m_rank(spec, replace(w, w_o=wo), x, pos, rows)
+    by = {(row["head"], row["query"]): row for row in res["rows"]}
+    a, z = by[(0, 3)], by[(1, 20)]
+    assert a["keys"] == 4 and a["bound"] == min(d, r, 3) == 3
+    assert a["rank"] == 5 and not a["ok"] and not res["ok"]  # 5 directions from 4 keys: fails
+    assert a["sigma_max"] == pytest.approx(4.0, rel=1e-14)
+    thr = tl.rank_threshold((m1, hidden), a["sigma_max"], r, float(torch.linalg.norm(
+        planted[(0, 3)]) * torch.linalg.norm(wo[0])))
+    assert a["threshold_ratio"] == pytest.approx(thr / a["sigma_max"], rel=1e-12)
+    assert z["keys"] == 21 and z["bound"] == min(d, r, 20) and z["rank"] == 0 and z["ok"]
+    assert z["sigma_max"] == 0.0 and z["sigma_ratio_after_d"] == 0.0
+    assert z["threshold_ratio"] == tl.rank_threshold((m1, hidden), 0.0, r, 0.0)
+    assert res["rank_max"] == 5 and res["d"] == d
+    assert res["tolerance_from"] == ("tolerances.rank_threshold: max(shape) eps sigma_max + "
+                                     "gamma_r ||dM||_F ||W_o||_F")
