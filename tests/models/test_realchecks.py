@@ -1224,3 +1224,22 @@ def test_delta_m_rank_statistics_on_planted_matrices(tiny, monkeypatch):
     assert res["rank_max"] == 5 and res["d"] == d
     assert res["tolerance_from"] == ("tolerances.rank_threshold: max(shape) eps sigma_max + "
                                      "gamma_r ||dM||_F ||W_o||_F")
+
+
+def test_no_global_readout_without_an_output_projection(tiny):
+    """Without ``W_o`` there is no combined bound (``None``, not a placeholder) and the verdict is
+    the heads' alone; the per-head bounds are those of the run with ``W_o`` (they never read it),
+    and the stated tolerance is the certified bound's."""
+    Q = tiny["xq"].shape[0]
+    args = (tiny["xq"], torch.full((Q,), N_CTX - 1), tiny["xb"], torch.arange(N_CTX - 1))
+    full = rc.no_global_readout(tiny["spec"], tiny["w"], *args)
+    res = rc.no_global_readout(tiny["spec"], replace(tiny["w"], w_o=None), *args)
+    assert res["combined"] is None and full["combined"] is not None
+    assert res["ok"] is all(h["ok"] for h in res["heads"]) is True
+    assert [h["lower_certified"] for h in res["heads"]] == \
+        [h["lower_certified"] for h in full["heads"]]
+    assert res["lower_certified_min"] == min(h["lower_certified"] for h in res["heads"])
+    assert res["tolerance"] == 0.0 and res["tolerance_from"] == (
+        "certified = computed - sqrt(r) FLOAT64_REL max|v| (the float64 outputs' error); the "
+        "claim: certified > 0")
+    assert res["queries"] == Q and res["inputs"] == Q + Q * (Q - 1) // 2
