@@ -1201,6 +1201,17 @@ EQUIVALENT: tuple[Equivalence, ...] = (
     *(Equivalence(f"realchecks.{fn}", "xt.to(dev, mdt)", after,
                   _CPU + ": dev is the model's device, the CPU in this suite")
       for fn in ("conventions", "_setup_positional") for after in ("xt.to(None, mdt)", "xt.to(mdt)")),
+    # realchecks.exact_reference: the oracle's calls name the default gauge, and mpf values
+    # make an object array whatever dtype is asked (numpy cannot infer another for them)
+    *(Equivalence("realchecks.exact_reference", f"exact.{fn}(E, he, 0, \"original\")",
+                  f"exact.{fn}(E, he, 0, )", "gauge='original' is the default of "
+                  f"ropestep.exact.{fn}")
+      for fn in ("coefficients", "delta_m", "query_space_delta_m", "query_space_features",
+                 "kappa")),
+    *(Equivalence("realchecks.exact_reference", "dtype=object", after,
+                  "the entries are mpmath mpf values: numpy infers dtype object for them, the "
+                  "same array as dtype=object (measured: np.asarray([mpf(1)/3]).dtype is object)")
+      for after in ("dtype=None", ", )")),
     Equivalence("realchecks.sample_rows", "replace=False)", "replace=None)",
                 "numpy's Generator.choice tests `replace` for truth: None draws without "
                 "replacement, as False does"),
