@@ -1243,3 +1243,41 @@ def test_no_global_readout_without_an_output_projection(tiny):
         "certified = computed - sqrt(r) FLOAT64_REL max|v| (the float64 outputs' error); the "
         "claim: certified > 0")
     assert res["queries"] == Q and res["inputs"] == Q + Q * (Q - 1) // 2
+
+
+def test_one_head_keeps_every_field_of_its_head(tiny, qk):
+    """``_one_head`` (the oracle's per-row description) keeps head ``h``'s own RoPE base, score
+    scale, soft-cap, ALiBi slope, value width and norm epsilon, slices its query head and its KV
+    head's weights (numpy or torch), carries a per-head norm's gain, and refuses a norm over the
+    whole projection (it needs every head)."""
+    spec, w = tiny["spec"], tiny["w"]
+    H = spec.n_heads
+    bases = tuple(float(spec.rope.base) * (1 + k) for k in range(H))
+    odd = replace(spec, rope=replace(spec.rope, base=bases, cos=None, sin=None, freqs=None),
+                  softcap=30.0, alibi_slopes=tuple(0.1 * (k + 1) for k in range(H)),
+                  scale=0.3, norm_eps=1e-5)  # every field off its default
+    wn = replace(w, **{k: np.asarray(getattr(w, k)) for k in ("w_q", "w_k", "w_v", "b_q", "b_k",
+                                                              "b_v")})
+    h = H - 1
+    g = spec.kv_head(h)
+    s1, w1 = rc._one_head(odd, wn, h)
+    assert (s1.n_heads, s1.n_kv_heads, s1.head_dim, s1.v_dim) == (1, 1, spec.head_dim,
+                                                                  spec.v_dim)
+    assert s1.rope.bases(1)[0] == bases[h] and s1.softcap == 30.0 and s1.norm_eps == 1e-5
+    assert tuple(s1.alibi_slopes) == (odd.alibi_slopes[h],)
+    assert s1.score_scale(0) == odd.score_scale(h) and s1.family == spec.family
+    for name, idx, axis in (("w_q", h, 1), ("w_k", g, 1), ("w_v", g, 1), ("b_q", h, 0),
+                            ("b_k", g, 0), ("b_v", g, 0)):
+        got = getattr(w1, name)
+        want = torch.as_tensor(np.asarray(getattr(w, name))).double().narrow(axis, idx, 1)
+        assert got.dtype == torch.float64 and torch.equal(got, want), name
+    assert w1.q_norm is None and w1.k_norm is None
+    t = qk("qwen3")  # per-head QK-norm: the gains travel with the head
+    sq, wq = rc._one_head(t["spec"], t["w"], 1)
+    assert sq.family == "qknorm" and sq.norm_eps == t["spec"].norm_eps
+    assert torch.equal(wq.q_norm, torch.as_tensor(t["w"].q_norm).double())
+    assert torch.equal(wq.k_norm, torch.as_tensor(t["w"].k_norm).double())
+    whole = replace(t["spec"], norm_scope="all")
+    with pytest.raises(ValueError, match=r"^a norm over every head of a token needs every head: "
+                                         r"build the whole layer \(exact_reference does\)$"):
+        rc._one_head(whole, t["w"], 0)
