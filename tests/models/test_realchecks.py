@@ -28,6 +28,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -603,6 +605,17 @@ def test_qknorm_exact_rows_in_query_space(name, qk, qk_reference, monkeypatch):
     assert all(r["space"] == "query" for r in res["rows"])
     d, r = t["spec"].head_dim, t["spec"].r
     assert all(m_.shape == (d + 1, r) for m_ in ref.delta_m.values())
+    # the first-order count adds the norm's 2m + n + 8 terms (n: the features one norm spans)
+    m = t["x"].shape[1]
+    n_norm = d * (t["spec"].n_heads if t["spec"].norm_scope == "all" else 1)
+    for r_ in res["rows"]:
+        assert r_["first_order"] == pytest.approx(
+            (r_["keys"] + d + (2 * m + n_norm + 8) + 8 + r_["score_max"]) * 2.0 ** -53,
+            rel=1e-15)
+    assert res["tolerance_from"] == (
+        "tolerances.FLOAT64_REL for y (vs the value scale), the query-space Delta M^q = "
+        "[scale T; b^T] (vs its sum-of-absolute-terms scale) and c (relative); the readout "
+        "against tolerances.readout_bound(float64, kappa_exact, N, d, max|s|)")
     _json(res)
 
     orig = fast.query_delta_m
@@ -1281,3 +1294,212 @@ def test_one_head_keeps_every_field_of_its_head(tiny, qk):
     with pytest.raises(ValueError, match=r"^a norm over every head of a token needs every head: "
                                          r"build the whole layer \(exact_reference does\)$"):
         rc._one_head(whole, t["w"], 0)
+
+
+# ---------------------------------------------------------------------------------------------
+# the checks' arguments, stated tolerances and report fields, pinned (issue 18: a planted change
+# to a message, a tolerance's formula or a field must turn a test red)
+# ---------------------------------------------------------------------------------------------
+def test_no_global_readout_refuses_bad_input_by_name(tiny):
+    """Each input of no_global_readout is checked under its own name (the width against the
+    weights' ``m``, the count of queries, one shared position, keys not after it), and the
+    limiting cases are accepted: exactly 2 queries, a key at the query's own position."""
+    spec, w, xq, xb = tiny["spec"], tiny["w"], tiny["xq"], tiny["xb"]
+    Q, P = xq.shape[0], N_CTX - 1
+    pq, pk = torch.full((Q,), P), torch.arange(P)
+    m = xq.shape[1]
+    cases = [
+        ((xq[:, :-1], pq, xb, pk), f"x_q has width {m - 1}, the layer's input width is {m}"),
+        ((xq[:1], pq[:1], xb, pk), "no_global_readout needs at least 2 queries"),
+        ((xq, pq[:-1], xb, pk), rf"pos_q must have shape \({Q},\), got \({Q - 1},\)"),
+        ((xq, torch.arange(Q), xb, pk),
+         r"no_global_readout: every query must sit at one position \(shared bank\)"),
+        ((xq, pq, xb[:, :-1], pk), f"x_kv has width {m - 1}, the layer's input width is {m}"),
+        ((xq, pq, xb, pk[:-1]), rf"pos_kv must have shape \({P},\), got \({P - 1},\)"),
+        ((xq, pq, xb, pk + 2),
+         "no_global_readout: bank keys must not lie after the query position"),
+    ]
+    for args, msg in cases:
+        with pytest.raises(ValueError, match=f"^{msg}$"):
+            rc.no_global_readout(spec, w, *args)
+    two = rc.no_global_readout(spec, w, xq[:2], pq[:2], xb, pk)  # the least number of queries
+    assert two["pairs"] == 1 and np.isfinite(two["lower_certified_min"])
+    at = rc.no_global_readout(spec, w, xq[:2], pq[:2], xb, pk + 1)  # last key at P itself
+    assert at["pairs"] == 1 and at["lower_certified_min"] != two["lower_certified_min"]
+
+
+def test_exact_reference_arguments_window_and_timing(tiny, tiny_reference, qk, monkeypatch):
+    """exact_reference: digits default 50, an int >= 16 (16 accepted; 15, 20.5 and True
+    refused), passed to every oracle build (the whole-layer build of OLMo 2's norm too); the
+    query index checked against the number of queries; a window keeps exactly the keys with
+    ``p_i - p_j < window``; ``seconds`` is the wall time of the call."""
+    import time
+
+    from ropestep import exact
+
+    assert tiny_reference[1].digits == 50
+    spec, w, x, pos = tiny["spec"], tiny["w"], tiny["x"], tiny["pos"]
+    for bad in (15, 20.5, True):
+        with pytest.raises(ValueError, match=rf"^digits must be an int >= 16, got {bad!r}$"):
+            rc.exact_reference(spec, w, x[:4], pos[:4], [(0, 1)], bad)
+    n = 6  # fewer queries than the input width: a query index n is out of range
+    assert x.shape[1] > n
+    for fn in (rc.exact_reference, rc.exact_rows):
+        with pytest.raises(ValueError, match=rf"^row \(head 0, query {n}\) out of range"):
+            fn(spec, w, x[:n], pos[:n], [(0, n)])
+    seen: list = []
+    orig = exact.build
+
+    def spy(*a, **k):
+        seen.append(k.get("dps"))
+        return orig(*a, **k)
+
+    monkeypatch.setattr(exact, "build", spy)
+    q3 = qk("qwen3")  # a small layer: the oracle's cost is ~ N d m per row
+    t0 = time.perf_counter()
+    r16 = rc.exact_reference(q3["spec"], q3["w"], q3["x"][:3], q3["pos"][:3], [(0, 1)], 16)
+    wall = time.perf_counter() - t0
+    assert r16.digits == 16 and seen == [16]
+    assert 0 < r16.seconds <= wall
+    ol = qk("olmo2")  # norm over the whole projection: one whole-layer build per query
+    seen.clear()
+    rc.exact_reference(ol["spec"], ol["w"], ol["x"][:3], ol["pos"][:3], [(0, 1), (1, 1)], 17)
+    assert seen == [17]
+    monkeypatch.undo()
+    g3 = qk("gemma3")  # layer 0: sliding window of 16 over 24 tokens
+    win = int(g3["spec"].window)
+    i = QK_N - 1
+    assert i >= win
+    ref = rc.exact_reference(g3["spec"], g3["w"], g3["x"], g3["pos"], [(1, i)], 16)
+    p = g3["pos"]
+    want = torch.nonzero((p <= p[i]) & (p[i] - p < win)).flatten().numpy()
+    assert np.array_equal(ref.keys[1, i], want) and want.size == win
+
+
+def test_exact_rows_bank_and_the_references_checks(tiny, tiny_reference, qk):
+    """exact_rows on a bank (``x_kv``/``pos_kv`` reach the fast path and the oracle: queries at
+    a later position reading a 3-key prefix), and the reference's rows and space checked with
+    their full messages."""
+    from dataclasses import replace as dreplace
+
+    t = qk("qwen3")
+    x, p = t["x"], t["pos"]
+    res = rc.exact_rows(t["spec"], t["w"], x[5:7], torch.full((2,), 9), [(0, 0), (2, 1)], 16,
+                        x_kv=x[:3], pos_kv=p[:3])
+    assert res["ok"], res
+    assert [r_["keys"] for r_ in res["rows"]] == [3, 3]
+    assert [r_["position"] for r_ in res["rows"]] == [9, 9]
+    spec, w = tiny["spec"], tiny["w"]
+    rows, ref = tiny_reference
+    five = dreplace(ref, rows=[(0, q) for q in range(5)])  # not the rows requested
+    msg = rf"^reference holds rows {re.escape(str(five.rows[:4]))}\.\.\., not the requested rows$"
+    with pytest.raises(ValueError, match=msg):
+        rc.exact_rows(spec, w, tiny["x"], tiny["pos"], rows, reference=five)
+    with pytest.raises(ValueError, match=r"^reference holds query-space matrices, this head's "
+                                         r"Delta M is in input space$"):
+        rc.exact_rows(spec, w, tiny["x"], tiny["pos"], rows,
+                      reference=dreplace(ref, space="query"))
+
+
+def _check_stated_conventions_tolerances(model, layer: int, x, res: dict, record: dict) -> None:
+    """conventions' per-head ``q_tol``/``k_tol``/``v_tol`` and ``tolerance_from`` recomputed from
+    the formula its docstring states: per side (the model's dtype, ropestep's float64) the
+    elementwise bound -- ``tolerances.rotated_projection_abs`` of ``A = |x||W|^T + |b|``, or
+    with QK-norm ``realchecks._normalised_abs`` with 3 and 5 rotation roundings -- summed over
+    the model's rotation pair, times ``max(a, 1)``, mapped by the model's ``repeat_kv``, reduced
+    as ``max(bound) / max|model|`` per head."""
+    info = models.describe_model(model)
+    _, conv, _, parts, _ = models.attention.layer_parts(model, layer, info)
+    mdt = next(model.parameters()).dtype
+    x64 = torch.as_tensor(x).to(mdt).double()
+    H, Hk, d = info.n_heads, info.n_kv_heads, info.head_dim
+    group = H // Hk
+    perm = models.attention.head_order(conv, d)
+    norms = rc._model_norms(model, layer, info, conv)
+    kterms = info.hidden + (parts["q"][1] is not None)
+    f64 = torch.float64
+
+    def rotated(part, nh: int, name: str) -> torch.Tensor:  # (nh, n, d), ropestep's order
+        z, A = models.layouts.project(part, x64, nh)
+        if norms is None:
+            both = (tl.rotated_projection_abs(mdt, A, kterms)
+                    + tl.rotated_projection_abs(f64, A, kterms))
+        else:
+            g, eps = norms[name]
+            both = (rc._normalised_abs(mdt, z, A, kterms, g, eps, norms["scope"], 3)
+                    + rc._normalised_abs(f64, z, A, kterms, g, eps, norms["scope"], 5))
+        return (models.attention.pair_sum(both, conv)[..., perm]
+                * max(conv.amplitude, 1.0)).transpose(0, 1)
+
+    Av = models.layouts.project(parts["v"], x64, Hk)[1].transpose(0, 1)
+    bound = {"q": rotated(parts["q"], H, "q"),
+             "k": rotated(parts["k"], Hk, "k").repeat_interleave(group, 0),
+             "v": (tl.rotated_projection_abs(mdt, Av, kterms)
+                   + tl.rotated_projection_abs(f64, Av, kterms)).repeat_interleave(group, 0)}
+    model_side = {"q": record["query"].double()[..., perm],
+                  "k": record["key"].double().repeat_interleave(group, 0)[..., perm],
+                  "v": record["value"].double().repeat_interleave(group, 0)}
+    for h in range(H):
+        for nm in ("q", "k", "v"):
+            want = float(bound[nm][h].max() / model_side[nm][h].abs().max())
+            assert res["heads"][h][f"{nm}_tol"] == pytest.approx(want, rel=1e-12), (h, nm)
+    dt = str(mdt).replace("torch.", "")
+    if norms is None:
+        assert res["tolerance_from"] == (
+            f"tolerances.rotated_projection_abs({dt}) + (float64) with n_terms={kterms}, A = "
+            "|x||W|^T + |b| summed over the model's rotation pair, mapped by the model's "
+            "repeat_kv; max(bound)/max|model| per head")
+    else:
+        assert res["tolerance_from"] == (
+            f"q, k: realchecks._normalised_abs({dt}, 3 rotation roundings) + (float64, 5) with "
+            f"n_terms={kterms}: the projection's rotated_projection_abs carried through the "
+            f"layer's RMSNorm (scope {norms['scope']!r}, the model's gains) plus the norm's "
+            "roundings, summed over the model's rotation pair, mapped by the model's repeat_kv; "
+            "v: rotated_projection_abs; max(bound)/max|model| per head")
+
+
+def test_conventions_tolerances_are_the_stated_formula(qk, build_tiny):
+    """The per-head tolerances of conventions on QK-norm layers (per head: Qwen3; the whole
+    projection: OLMo 2) and on a YaRN layer (amplitude a > 1 in the pair sums) are the stated
+    formula, and ``tolerance_from`` says which."""
+    for name in ("qwen3", "olmo2"):
+        t = qk(name)
+        record: dict = {}
+        res = rc.conventions(*_qk_args(t), head=(t["spec"], t["w"]), record=record)
+        assert res["ok"], res
+        _check_stated_conventions_tolerances(t["model"], t["layer"], t["x"], res, record)
+    model = build_tiny("llama", seed=5, num_hidden_layers=1, hidden_size=128,
+                       num_attention_heads=4, num_key_value_heads=2,
+                       rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6,
+                                        "original_max_position_embeddings": 256})
+    ids = torch.randint(0, model.config.vocab_size, (12,),
+                        generator=torch.Generator().manual_seed(1))
+    cap = models.capture(model, ids, [0])[0]
+    record = {}
+    res = rc.conventions(model, 0, cap.x, cap.positions, record=record)
+    assert res["ok"] and float(record["amplitude"]) > 1.1
+    _check_stated_conventions_tolerances(model, 0, cap.x, res, record)
+
+
+def test_conventions_reads_float32_head_weights_as_float64(tiny, qk):
+    """A head given with float32 weights (the model's own float32 values: exact in float64) is
+    read as float64 on ropestep's side, so conventions reports the very numbers of the float64
+    description -- plain and QK-norm (the norms' gains too)."""
+    def as32(w):
+        keys = ("w_q", "w_k", "w_v", "b_q", "b_k", "b_v", "w_o", "q_norm", "k_norm")
+        return replace(w, **{k: torch.as_tensor(getattr(w, k)).float() for k in keys
+                             if getattr(w, k, None) is not None})
+
+    cases = [(tiny["model"], LAYER, tiny["x"][:16], tiny["pos"][:16], tiny["spec"], tiny["w"])]
+    t = qk("qwen3")
+    cases.append((t["model"], t["layer"], t["x"], t["pos"], t["spec"], t["w"]))
+    for model, L, x, pos, spec, w in cases:
+        assert next(model.parameters()).dtype == torch.float32
+        assert all(torch.equal(torch.as_tensor(getattr(w, k)),
+                               torch.as_tensor(getattr(as32(w), k)).double())
+                   for k in ("w_q", "w_k", "w_v"))
+        ref = rc.conventions(model, L, x, pos, head=(spec, w))
+        got = rc.conventions(model, L, x, pos, head=(spec, as32(w)))
+        assert got["ok"] and ref["ok"]
+        for k in ("q_rel_max", "k_rel_max", "v_rel_max", "tolerance_max"):
+            assert got[k] == ref[k], k
