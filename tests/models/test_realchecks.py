@@ -611,7 +611,7 @@ def test_qknorm_exact_rows_in_query_space(name, qk, qk_reference, monkeypatch):
     for r_ in res["rows"]:
         assert r_["first_order"] == pytest.approx(
             (r_["keys"] + d + (2 * m + n_norm + 8) + 8 + r_["score_max"]) * 2.0 ** -53,
-            rel=1e-15)
+            rel=1e-15, abs=0)
     assert res["tolerance_from"] == (
         "tolerances.FLOAT64_REL for y (vs the value scale), the query-space Delta M^q = "
         "[scale T; b^T] (vs its sum-of-absolute-terms scale) and c (relative); the readout "
@@ -1230,7 +1230,7 @@ def test_delta_m_rank_statistics_on_planted_matrices(tiny, monkeypatch):
     assert a["sigma_max"] == pytest.approx(4.0, rel=1e-14)
     thr = tl.rank_threshold((m1, hidden), a["sigma_max"], r, float(torch.linalg.norm(
         planted[(0, 3)]) * torch.linalg.norm(wo[0])))
-    assert a["threshold_ratio"] == pytest.approx(thr / a["sigma_max"], rel=1e-12)
+    assert a["threshold_ratio"] == pytest.approx(thr / a["sigma_max"], rel=1e-12, abs=0)
     assert z["keys"] == 21 and z["bound"] == min(d, r, 20) and z["rank"] == 0 and z["ok"]
     assert z["sigma_max"] == 0.0 and z["sigma_ratio_after_d"] == 0.0
     assert z["threshold_ratio"] == tl.rank_threshold((m1, hidden), 0.0, r, 0.0)
@@ -1442,7 +1442,7 @@ def _check_stated_conventions_tolerances(model, layer: int, x, res: dict, record
     for h in range(H):
         for nm in ("q", "k", "v"):
             want = float(bound[nm][h].max() / model_side[nm][h].abs().max())
-            assert res["heads"][h][f"{nm}_tol"] == pytest.approx(want, rel=1e-12), (h, nm)
+            assert res["heads"][h][f"{nm}_tol"] == pytest.approx(want, rel=1e-12, abs=0), (h, nm)
     dt = str(mdt).replace("torch.", "")
     if norms is None:
         assert res["tolerance_from"] == (
@@ -1503,3 +1503,63 @@ def test_conventions_reads_float32_head_weights_as_float64(tiny, qk):
         assert got["ok"] and ref["ok"]
         for k in ("q_rel_max", "k_rel_max", "v_rel_max", "tolerance_max"):
             assert got[k] == ref[k], k
+
+
+def test_delta_m_rank_where_r_differs_from_d(tiny, qk, monkeypatch):
+    """On hand-made heads whose value width ``r`` is not ``d``: with ``r = 8 > d = 4`` a planted
+    full-rank ``Delta M`` (spectrum 1/2, 1/4, ...) fails (rank 8 > bound 4) and reports
+    ``sigma_{d+1} / sigma_1 = 2^-4`` exactly; with ``r = 2 < d`` the bound is ``r``.  Also:
+    float32 ``w_o`` is read as float64, and the input checks name the check, ``w_o`` and the
+    query range."""
+    from ropestep.spec import HeadWeights, RoPESpec
+
+    g = torch.Generator().manual_seed(11)
+    m, D, n = 12, 16, 10
+    x = torch.randn(n, m, generator=g, dtype=torch.float64)
+    pos = torch.arange(n)
+    orig = fast.step
+
+    def head(d: int, r: int):
+        spec = HeadSpec(1, 1, d, v_dim=r, rope=RoPESpec(base=100.0))
+        w = HeadWeights(*(torch.randn(m, 1, k, generator=g, dtype=torch.float64)
+                          for k in (d, d, r)),
+                        w_o=torch.randn(1, r, D, generator=g, dtype=torch.float64))
+        return spec, w
+
+    def planted(dm):
+        def step(*a, **k):
+            st = orig(*a, **k)
+            st.delta_m[0, 0] = dm
+            return st
+        return step
+
+    # r = 8 > d = 4, W_o = [I | 0]: the product's singular values are the planted ones
+    spec, w = head(4, 8)
+    U, _ = torch.linalg.qr(torch.randn(m + 1, 8, generator=g, dtype=torch.float64))
+    V, _ = torch.linalg.qr(torch.randn(8, 8, generator=g, dtype=torch.float64))
+    spectrum = 0.5 ** torch.arange(1, 9, dtype=torch.float64)
+    wo = torch.zeros(1, 8, D, dtype=torch.float64)
+    wo[0, :, :8] = torch.eye(8, dtype=torch.float64)
+    monkeypatch.setattr(fast, "step", planted(U @ torch.diag(spectrum) @ V.T))
+    res = rc.delta_m_rank(spec, replace(w, w_o=wo), x, pos, [(0, n - 1)])
+    row = res["rows"][0]
+    assert row["bound"] == 4 and row["rank"] == 8 and not row["ok"] and not res["ok"]
+    assert row["sigma_max"] == pytest.approx(0.5, rel=1e-14, abs=0)
+    assert row["sigma_ratio_after_d"] == pytest.approx(2.0 ** -4, rel=1e-12, abs=0)
+    assert res["sigma_ratio_after_d_max"] == row["sigma_ratio_after_d"]
+    monkeypatch.undo()
+    # r = 2 < d = 4: Delta M (m+1, 2) has rank <= 2, the bound is r
+    spec, w = head(4, 2)
+    res = rc.delta_m_rank(spec, w, x, pos, [(0, n - 1)])
+    assert res["rows"][0]["bound"] == 2 and res["rows"][0]["rank"] == 2 and res["ok"]
+    w32 = replace(w, w_o=torch.as_tensor(w.w_o).float())
+    got = rc.delta_m_rank(spec, w32, x, pos, [(0, n - 1)])
+    assert got["ok"] and got["rows"][0]["rank"] == 2
+    with pytest.raises(ValueError, match=r"^delta_m_rank needs weights\.w_o \(the output "
+                                         r"projection\)$"):
+        rc.delta_m_rank(spec, replace(w, w_o=None), x, pos, [(0, 1)])
+    with pytest.raises(ValueError, match=rf"^row \(head 0, query {n}\) out of range"):
+        rc.delta_m_rank(spec, w, x, pos, [(0, n)])
+    t = qk("qwen3")
+    with pytest.raises(ValueError, match=r"^delta_m_rank: the claim is stated in input space"):
+        rc.delta_m_rank(t["spec"], t["w"], t["x"], t["pos"], [(0, 1)])
