@@ -1563,3 +1563,124 @@ def test_delta_m_rank_where_r_differs_from_d(tiny, qk, monkeypatch):
     t = qk("qwen3")
     with pytest.raises(ValueError, match=r"^delta_m_rank: the claim is stated in input space"):
         rc.delta_m_rank(t["spec"], t["w"], t["x"], t["pos"], [(0, 1)])
+
+
+@pytest.fixture
+def small_llama(build_tiny):
+    """A one-layer Llama (hidden 128, 4 query heads over 2 KV heads, no biases) over 12 seeded
+    tokens: cheap enough to rebuild with edited weights."""
+    model = build_tiny("llama", seed=5, num_hidden_layers=1, hidden_size=128,
+                       num_attention_heads=4, num_key_value_heads=2)
+    ids = torch.randint(0, model.config.vocab_size, (12,),
+                        generator=torch.Generator().manual_seed(1))
+    cap = models.capture(model, ids, [0])[0]
+    return model, cap
+
+
+def test_conventions_zero_heads_kv_map_and_the_head_given(small_llama, zoo_layers, monkeypatch):
+    """A query head and a KV head whose projections are zero compare 0 with 0 (relative error
+    0, tolerance 0, no 0/0) and pass; a KV map outside ``0..H_kv-1`` and a head description of
+    another shape are refused with their messages; a layer without RoPE (SmolLM3's NoPE layer)
+    passes with score multiplier ``scaling`` (amplitude 1)."""
+    import copy
+
+    model, cap = small_llama
+    zm = copy.deepcopy(model)
+    attn = zm.model.layers[0].self_attn
+    d = attn.head_dim
+    with torch.no_grad():
+        attn.q_proj.weight[:d] = 0  # query head 0
+        attn.k_proj.weight[:d] = 0  # KV head 0 (serves query heads 0 and 1)
+        attn.v_proj.weight[:d] = 0
+    res = rc.conventions(zm, 0, cap.x, cap.positions)
+    assert res["ok"], res
+    h0 = res["heads"][0]
+    assert h0["q_rel"] == 0.0 and h0["q_tol"] == 0.0
+    assert h0["k_rel"] == 0.0 and h0["v_rel"] == 0.0 and res["heads"][1]["k_rel"] == 0.0
+    assert res["heads"][2]["q_rel"] > 0  # the other heads compare non-zero rotations
+    spec, w = models.layer_head(model, 0, 12)
+    H, Hk = spec.n_heads, spec.n_kv_heads
+    monkeypatch.setattr(HeadSpec, "kv_head", lambda self, h: Hk if h == 1 else h // 2)
+    with pytest.raises(ValueError, match=rf"^spec\.kv_head\(1\) = {Hk} is not a KV head "
+                                         rf"\(0\.\.{Hk - 1}\)$"):
+        rc.conventions(model, 0, cap.x, cap.positions, head=(spec, w))
+    monkeypatch.undo()
+    half = (replace(spec, n_heads=Hk),
+            replace(w, w_q=torch.as_tensor(w.w_q)[:, :Hk], w_o=torch.as_tensor(w.w_o)[:Hk]))
+    with pytest.raises(ValueError, match=rf"^head description has \(H, H_kv, d\) = "
+                                         rf"\({Hk}, {Hk}, {d}\), the model \({H}, {Hk}, {d}\)$"):
+        rc.conventions(model, 0, cap.x, cap.positions, head=half)
+    with pytest.raises(ValueError, match=r"^head description and model disagree on "
+                                         r"\(H, H_kv, d\)$"):
+        rc.position_derivative(model, 0, cap.x, cap.positions, [3], head=half)
+    nope, ncap = zoo_layers[("smollm3", 1)]
+    assert not models.describe_model(nope).layers[1].rotary
+    res = rc.conventions(nope, 1, ncap.x, ncap.positions)
+    assert res["ok"], res
+    assert res["scale"]["model"] == pytest.approx(
+        float(nope.model.layers[1].self_attn.scaling), rel=2.0 ** -52, abs=0)
+
+
+def test_positional_checks_refuse_bad_arguments_by_message(small_llama):
+    """The positional checks' own argument checks, with their full messages: ``queries`` and
+    ``deltas`` not sequences, ``x`` of the wrong width, per-head bases, and a given head whose
+    RoPE tables stop one position short of the context."""
+    model, cap = small_llama
+    x, pos = cap.x, cap.positions
+    n, m = x.shape
+    spec, w = models.layer_head(model, 0, n)
+    with pytest.raises(ValueError, match=r"^queries must be a sequence of token indices$"):
+        rc.position_derivative(model, 0, x, pos, 3)
+    with pytest.raises(ValueError, match=r"^deltas must be a sequence of integers$"):
+        rc.position_shift(model, 0, x, pos, [3], deltas=2)
+    with pytest.raises(ValueError, match=rf"^x has width {m - 1}, the layer's input width is "
+                                         rf"{m}$"):
+        rc.position_shift(model, 0, x[:, :-1], pos, [3])
+    per_head = replace(spec, rope=replace(spec.rope, base=(float(spec.rope.base),) * spec.n_heads,
+                                          cos=None, sin=None, freqs=None))
+    with pytest.raises(ValueError, match=r"^per-head RoPE bases: the model has one rotary "
+                                         r"table$"):
+        rc.position_derivative(model, 0, x, pos, [3], head=(per_head, w))
+    short = replace(spec, rope=replace(spec.rope, cos=np.asarray(spec.rope.cos)[:n - 1],
+                                       sin=np.asarray(spec.rope.sin)[:n - 1]))
+    with pytest.raises(ValueError, match=rf"^the given head's RoPE tables cover {n - 1} "
+                                         rf"positions, {n} are needed$"):
+        rc.position_derivative(model, 0, x, pos, [3], head=(short, w))
+
+
+def test_hull_witness_by_hand():
+    """The section-7 witness on a readout with a known x-part: ``M_x = sigma e_1 f^T`` gives
+    ``t = 1.01 (|m_0| + R + 1) / sigma`` along ``e_1``, certified ``t sigma - |m_0| - R`` and
+    the input-norm ratio against the queries' median norm; a zero x-part says so alone."""
+    m, r = 5, 3
+    f = torch.tensor([0.6, 0.0, 0.8], dtype=torch.float64)
+    M = torch.zeros(m + 1, r, dtype=torch.float64)
+    M[0] = 2.5 * f  # sigma = 2.5 along e_1
+    M[-1] = torch.tensor([0.3, -0.4, 0.0], dtype=torch.float64)  # |m_0| = 0.5
+    v = torch.tensor([[1.0, 0.0, 0.0], [0.0, 2.0, 0.0], [0.0, 0.0, -1.0]], dtype=torch.float64)
+    mu = torch.tensor([0.0, 0.5, 0.0], dtype=torch.float64)
+    R = float(torch.linalg.vector_norm(v - mu, dim=-1).max())  # 1.5
+    xq = torch.tensor([[3.0, 4.0, 0, 0, 0], [1.0, 0, 0, 0, 0], [0, 0, 0, 0, 2.0]],
+                      dtype=torch.float64)  # norms 5, 1, 2: median 2
+    got = rc._hull_witness(M, v, mu, xq)
+    t = 1.01 * (0.5 + R + 1.0) / 2.5
+    assert got["x_part_zero"] is False
+    assert got["t"] == pytest.approx(t, rel=1e-15, abs=0)
+    assert got["certified"] == pytest.approx(t * 2.5 - 0.5 - R, rel=1e-14, abs=0)
+    assert got["t_over_input_norm"] == pytest.approx(t / 2.0, rel=1e-15, abs=0)
+    M[:-1] = 0
+    assert rc._hull_witness(M, v, mu, xq) == {"x_part_zero": True}
+
+
+def test_positional_checks_on_interleaved_rope():
+    """Cohere rotates interleaved pairs ``(2l, 2l+1)``: both positional checks pass with the
+    layout the adapter read (ropestep's exact-angle side keeps it)."""
+    from ropestep import archzoo
+
+    model = archzoo.build("cohere", seed=0)
+    ids = torch.randint(0, archzoo.VOCAB, (12,), generator=torch.Generator().manual_seed(1))
+    cap = models.capture(model, ids, [0])[0]
+    assert models.layer_head(model, 0, 12)[0].rope.layout == "interleaved"
+    for check in (rc.position_derivative, rc.position_shift):
+        res = check(model, 0, cap.x, cap.positions, [4, 11], heads=cap.heads)
+        assert res["ok"], (check.__name__, res)
