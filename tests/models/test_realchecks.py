@@ -1479,6 +1479,14 @@ def test_conventions_tolerances_are_the_stated_formula(qk, build_tiny):
     res = rc.conventions(model, 0, cap.x, cap.positions, record=record)
     assert res["ok"] and float(record["amplitude"]) > 1.1
     _check_stated_conventions_tolerances(model, 0, cap.x, res, record)
+    sc = res["scale"]  # relative to the model's multiplier, worst over heads
+    assert sc["rel"] == max(abs(s - sc["model"]) / sc["model"] for s in sc["spec"])
+    for k in ("scaling", "amplitude", "softcap"):  # the record keeps float64 scalars
+        assert record[k].dtype == torch.float64 and record[k].shape == (1,), k
+    assert record["window"].dtype == torch.int64 and record["head_order"].dtype == torch.int64
+    cos, sin = model.model.rotary_emb(cap.x[None].float(), cap.positions[None])
+    for k, tab in (("rotary_cos", cos[0]), ("rotary_sin", sin[0])):
+        assert torch.equal(record[k], tab.reshape(-1, tab.shape[-1])), k
 
 
 def test_conventions_reads_float32_head_weights_as_float64(tiny, qk):
@@ -1605,6 +1613,12 @@ def test_conventions_zero_heads_kv_map_and_the_head_given(small_llama, zoo_layer
                                          rf"\(0\.\.{Hk - 1}\)$"):
         rc.conventions(model, 0, cap.x, cap.positions, head=(spec, w))
     monkeypatch.undo()
+    # per-head bases: head H-1 described with another base fails alone (each head reads its own
+    # table row)
+    bases = (float(spec.rope.base),) * (H - 1) + (float(spec.rope.base) / 3,)
+    per = replace(spec, rope=replace(spec.rope, base=bases, cos=None, sin=None, freqs=None))
+    res = rc.conventions(model, 0, cap.x, cap.positions, head=(per, w))
+    assert [h_["ok"] for h_ in res["heads"]] == [True] * (H - 1) + [False], res["heads"]
     half = (replace(spec, n_heads=Hk),
             replace(w, w_q=torch.as_tensor(w.w_q)[:, :Hk], w_o=torch.as_tensor(w.w_o)[:Hk]))
     with pytest.raises(ValueError, match=rf"^head description has \(H, H_kv, d\) = "
