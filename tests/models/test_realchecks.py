@@ -1568,6 +1568,9 @@ def test_delta_m_rank_where_r_differs_from_d(tiny, qk, monkeypatch):
         rc.delta_m_rank(spec, replace(w, w_o=None), x, pos, [(0, 1)])
     with pytest.raises(ValueError, match=rf"^row \(head 0, query {n}\) out of range"):
         rc.delta_m_rank(spec, w, x, pos, [(0, n)])
+    # the oracle's one-head description keeps r: exact_rows on the r = 2 head agrees
+    ex = rc.exact_rows(spec, w, x, pos, [(0, 3)], 16)
+    assert ex["ok"] and ex["y_rel_max"] <= tl.FLOAT64_REL
     t = qk("qwen3")
     with pytest.raises(ValueError, match=r"^delta_m_rank: the claim is stated in input space"):
         rc.delta_m_rank(t["spec"], t["w"], t["x"], t["pos"], [(0, 1)])
@@ -1698,3 +1701,18 @@ def test_positional_checks_on_interleaved_rope():
     for check in (rc.position_derivative, rc.position_shift):
         res = check(model, 0, cap.x, cap.positions, [4, 11], heads=cap.heads)
         assert res["ok"], (check.__name__, res)
+
+
+def test_sample_rows_arguments():
+    """sample_rows refuses a non-int or non-positive ``n_heads`` or ``k`` and an empty or
+    negative query set, each with its full message; ``n_heads = 1`` and ``k = 1`` are valid."""
+    assert rc.sample_rows(1, 3, 1, seed=0) in ([(0, 0)], [(0, 1)], [(0, 2)])
+    for bad in (0, True, 2.5):
+        with pytest.raises(ValueError, match=rf"^n_heads must be a positive int, got {bad!r}$"):
+            rc.sample_rows(bad, 3, 1, seed=0)
+        with pytest.raises(ValueError, match=rf"^k must be a positive int, got {bad!r}$"):
+            rc.sample_rows(2, 3, bad, seed=0)
+    for qs in ([], [2, -1]):
+        with pytest.raises(ValueError, match=r"^no eligible queries \(or a negative query "
+                                             r"index\)$"):
+            rc.sample_rows(2, qs, 1, seed=0)
