@@ -709,6 +709,15 @@ _CPU_NUMPY = ("np.asarray of a CPU tensor is a view of the same float64 values, 
               "arrays give the same tables; layer_head keeps the tables on the CPU even for a "
               "CUDA layer, so no device tensor ever reaches np.asarray here")
 
+_RC_DEFAULT = ("the argument dropped names the callee's default value (ropestep.fast.step: "
+               "mask='causal', gauge='original', dtype=torch.float64; ropestep.fast.project: "
+               "dtype=torch.float64): the same call")
+_RC_KEEP = ("`keep` only limits which intermediate outputs fast.step holds on to (memory); the "
+            "default keeps c, t and b as well, and the check reads only y, mu, c, delta_m and "
+            "the projection: the same values")
+_RC_INFO = ("with info=None, models.attention.layer_parts / run_attention read the ModelInfo "
+            "from the model (models.describe_model, deterministic): the same description")
+
 _SORT_TIES = ("tied values all get the mean of their positions, so the order a sort gives equal "
               "values (the only thing a stable kind fixes) does not change any rank; NaNs sort "
               "last and np.unique groups them either way")
@@ -1215,6 +1224,138 @@ EQUIVALENT: tuple[Equivalence, ...] = (
     Equivalence("realchecks.sample_rows", "replace=False)", "replace=None)",
                 "numpy's Generator.choice tests `replace` for truth: None draws without "
                 "replacement, as False does"),
+    # realchecks: arguments that name the callee's default (ropestep.fast.step: mask="causal",
+    # gauge="original", dtype=torch.float64, keep=("c", "t", "b"); ropestep.fast.project:
+    # dtype=torch.float64)
+    *(Equivalence(f"realchecks.{fn}", orig, after, _RC_DEFAULT)
+      for fn, orig, after in (
+          ("exact_rows", 'xk, pk, mask="causal", gauge="original",', 'xk, pk, gauge="original",'),
+          ("exact_rows", 'mask="causal", gauge="original",', 'mask="causal", dtype=F64'),
+          ("exact_rows", "dtype=F64, delta_m=spec.affine)", "^delta_m=spec.affine)"),
+          ("positive_coefficients", 'xk, pk, mask="causal", gauge="original", dtype=F64,',
+           'xk, pk, gauge="original", dtype=F64,'),
+          ("positive_coefficients", 'mask="causal", gauge="original", dtype=F64,',
+           'mask="causal", dtype=F64,'),
+          ("positive_coefficients", 'gauge="original", dtype=F64, / keep=("c",))',
+           'gauge="original", keep=("c",))'),
+          ("delta_m_rank", 'xk, pk, mask="causal", dtype=F64,', "xk, pk, dtype=F64,"),
+          ("delta_m_rank", 'mask="causal", dtype=F64, / delta_m=True, keep=())',
+           'mask="causal", delta_m=True'),
+          ("no_global_readout", "dtype=F64, keep=())", "^keep=())"),
+          ("conventions", "x64, pos, x64, pos, dtype=F64)", "x64, pos, x64, pos, )"),
+          ("position_derivative", "x64[qs], pos[qs], x64, pos, dtype=F64)",
+           "x64[qs], pos[qs], x64, pos, )"),
+          ("position_shift", "x64[qs], pos[qs], x64, pos, dtype=F64)",
+           "x64[qs], pos[qs], x64, pos, )"))),
+    *(Equivalence(f"realchecks.{fn}", orig, after, _RC_KEEP)
+      for fn, orig, after in (("positive_coefficients", 'keep=("c",))', "^)"),
+                              ("delta_m_rank", "delta_m=True, keep=())", "^delta_m=True, )"),
+                              ("no_global_readout", "dtype=F64, keep=())", "^dtype=F64, )"))),
+    Equivalence("realchecks.no_global_readout", 'xk, pk, mask="bank",', "xk, pk, dtype=F64",
+                "every bank key lies at or before the queries' one position (both checked "
+                "above), so the default causal mask permits exactly the whole bank, as 'bank' "
+                "does"),
+    # realchecks: a ModelInfo omitted is read again from the model
+    *(Equivalence(f"realchecks.{fn}", orig, after, _RC_INFO)
+      for fn, orig in (("_model_parts", "layer_parts(model, int(layer), info)"),
+                       ("_model_norms", "layer_parts(model, int(layer), info)"),
+                       ("conventions", "run_attention(model, int(layer), xm, pos, info)"))
+      for after in (", None)", ", )")),
+    # realchecks: h where every head has the same value
+    *(Equivalence(f"realchecks.{fn}", orig, after,
+                  "_supported admits the families 'dot' and 'qknorm' only, whose "
+                  "HeadSpec.score_scale does not read h (one 1/sqrt(d) or `scale` for every "
+                  "head)")
+      for fn, orig, after in (("conventions", "spec.score_scale(h)", "score_scale(None)"),
+                              ("_one_head", "scale=spec.score_scale(h)", "score_scale(None)"))),
+    *(Equivalence("realchecks._row_terms", orig, after,
+                  "_setup_positional refuses per-head RoPE bases (the model has one rotary "
+                  "table), so every head's generator and frequencies are the same: h=None "
+                  "(one shared base) gives them")
+      for orig, after in (("rope.rope_generator(spec, h)", "(spec, None)"),
+                          ("rope.rope_generator(spec, h)", "(spec, )"),
+                          ("rope.spec_frequencies(spec, h)", "(spec, None)"),
+                          ("rope.spec_frequencies(spec, h)", "(spec, )"))),
+    # realchecks: dtypes that promote exactly
+    *(Equivalence("realchecks.conventions", "torch.zeros(nh, dim, dtype=F64)", after,
+                  "zeros are exact in float32 (the default dtype), and adding them to the "
+                  "float64 projection promotes: the same q0, k0, v0")
+      for after in ("torch.zeros(nh, dim, dtype=None)", "torch.zeros(nh, dim, )")),
+    *(Equivalence("realchecks.conventions", orig, '"NM,MHD->HND"',
+                  "einsum labels are case-sensitive names: upper-case ones name the same axes")
+      for orig in ('q0 = torch.einsum("nm,mhd->hnd"', 'k0 = torch.einsum("nm,mhd->hnd"',
+                   'v0 = torch.einsum("nm,mhd->hnd"')),
+    *(Equivalence("realchecks.conventions", "rope.rope_cos_sin(spec, pos, F64)", after,
+                  "the analytic tables are float64 already, and a description's own tables "
+                  "keep their dtype under .to(None): apply_rope multiplies them into the "
+                  "float64 q0/k0, which promotes each table value exactly (every float dtype's "
+                  "values are float64 values) -- the same rotated products")
+      for after in ("(spec, pos, None)", "(spec, pos, )")),
+    Equivalence("realchecks.conventions", 'abs_terms(parts["v"], Hk, False)', "Hk, None)",
+                "`rotated` is only tested for truth: None is falsy, as False is"),
+    *(Equivalence("realchecks.conventions", "window=scalar(int(conv.window or 0), torch.int64))",
+                  after, "torch.tensor of a Python int infers int64, the dtype asked for")
+      for after in (", None))", ", ))")),
+    *(Equivalence("realchecks.conventions", "rec.cos.reshape(-1, rec.cos.shape[-1])[0, 0]",
+                  after, "[0, 0] of any 2-D reshape of the table is its first element, the "
+                  "first position's first pair either way")
+      for after in ("rec.cos.shape[+1])[0, 0]", "rec.cos.shape[-2])[0, 0]")),
+    *(Equivalence("realchecks._Attention64.__init__", "self.inv_freq = torch.tensor(inv_freq, dtype=F64)", after,
+                  "the adapter's inv_freq are the values of the model's rotary buffer, which "
+                  "transformers computes in float32 (torch.arange(...).float()): exact in "
+                  "float32, so the float32 tensor holds the same numbers, and every use "
+                  "multiplies it by float64 positions (promoted exactly)")
+      for after in ("dtype=None)", "torch.tensor(inv_freq, )")),
+    Equivalence("realchecks._Attention64.__init__", "len(inv_freq) != conv.rotary_dim // 2",
+                "conv.rotary_dim / 2", "rotary_dim is even (pairs), so rotary_dim / 2 equals "
+                "rotary_dim // 2 as a number and != compares them alike"),
+    Equivalence("realchecks._Attention64.heads_at", "positions.to(F64)", "positions.to(None)",
+                "the callers hand float64 positions (pos.to(F64) plus float64 offsets)"),
+    *(Equivalence("realchecks._Attention64.heads_with_model_tables", orig, after,
+                  "a layer without RoPE (rotary_dim 0): models.attention.rotate_as_model "
+                  "returns q and k unrotated without reading the tables, so what stands in for "
+                  "them is never used")
+      for orig, after in (("empty = torch.zeros(self.n, 0, dtype=F64)", "empty = None"),
+                          ("empty = torch.zeros(self.n, 0, dtype=F64)", "dtype=None)"),
+                          ("empty = torch.zeros(self.n, 0, dtype=F64)", "torch.zeros(0, dtype"),
+                          ("empty = torch.zeros(self.n, 0, dtype=F64)",
+                           "torch.zeros(self.n, dtype=F64)"),
+                          ("empty = torch.zeros(self.n, 0, dtype=F64)", "torch.zeros(self.n, 0, )"),
+                          ("empty = torch.zeros(self.n, 0, dtype=F64)",
+                           "torch.zeros(self.n, 1, dtype=F64)"),
+                          ("return self._heads(empty, empty, range(self.n))",
+                           "self._heads(None, empty,"),
+                          ("return self._heads(empty, empty, range(self.n))",
+                           "self._heads(empty, None,"))),
+    Equivalence("realchecks._pos", "increasing and n > 1 and", "n >= 1",
+                "for n = 1 np.diff is empty and np.all of it True: no refusal either way"),
+    Equivalence("realchecks._apply_model_norm", "flat.pow(2).mean(-1, keepdim=True)", "mean(+1",
+                "flat is 2-D (tokens, heads * d): axis +1 is axis -1"),
+    *(Equivalence("realchecks._hull_witness", "torch.linalg.svd(Mx, full_matrices=False)", after,
+                  "only the first left singular vector is used, and the full SVD's first "
+                  "column is the reduced one's (to rounding and a sign, which the norm of "
+                  "t u_1^T M_x ignores)")
+      for after in ("torch.linalg.svd(Mx, )", "full_matrices=True)")),
+    *(Equivalence("realchecks._hull_witness", orig, "dim=+1", why)
+      for orig, why in (("vector_norm(v - mu, dim=-1)", "v - mu is 2-D (keys, r): axis +1 is "
+                         "axis -1"),
+                        ("vector_norm(xq, dim=-1)", "xq is 2-D (queries, m): axis +1 is "
+                         "axis -1"))),
+    Equivalence("realchecks._one_head",
+                "t = torch.as_tensor(a) if not isinstance(a, np.ndarray) else torch.from_numpy(a)",
+                "or True else", "torch.as_tensor of a numpy array shares its memory as "
+                "torch.from_numpy does: the same tensor"),
+    *(Equivalence("realchecks._one_head", orig, after,
+                  "the one-head weights feed only ropestep.exact.build (exact_reference), "
+                  "which converts every entry to an mpf exactly whatever its float dtype: "
+                  "the same oracle")
+      for orig in ('return t.narrow(axis, i, 1).to("cpu", F64)',
+                   'else a).to("cpu", F64)')
+      for after in ('.to("cpu", None)', '.to("cpu", )')),
+    *(Equivalence("realchecks.exact_reference", "seconds=0.0,", after,
+                  "the placeholder is always overwritten by the elapsed time before the only "
+                  "return (an exception returns nothing)")
+      for after in ("seconds=None,", "seconds=1.0,")),
 )
 
 
