@@ -1326,6 +1326,11 @@ def test_no_global_readout_refuses_bad_input_by_name(tiny):
     assert two["pairs"] == 1 and np.isfinite(two["lower_certified_min"])
     at = rc.no_global_readout(spec, w, xq[:2], pq[:2], xb, pk + 1)  # last key at P itself
     assert at["pairs"] == 1 and at["lower_certified_min"] != two["lower_certified_min"]
+    # a float32 output projection (the model's own float32 values) is read as float64
+    w32 = replace(w, w_o=torch.as_tensor(w.w_o).float())
+    assert torch.equal(torch.as_tensor(w32.w_o).double(), torch.as_tensor(w.w_o).double())
+    got = rc.no_global_readout(spec, w32, xq[:2], pq[:2], xb, pk)
+    assert got["combined"]["lower_certified"] == two["combined"]["lower_certified"]
 
 
 def test_exact_reference_arguments_window_and_timing(tiny, tiny_reference, qk, monkeypatch):
