@@ -359,7 +359,11 @@ def conventions(model: Any, layer: int, x: Any, positions: Any, *,
     ``nonnegative_ops_rel(8)``: each side is a square root and a quotient, or a power faithful
     to an ulp -- two roundings of a positive number each -- and the model's side is further
     multiplied by the tables' amplitude squared (YaRN/LongRoPE's ``a``: two more roundings), so
-    the two differ by at most ``gamma_4 + gamma_4 <= gamma_8``, in any order of evaluation).  A wrong pairing moves a rotated vector by O(1) at every position but
+    the two differ by at most ``gamma_4 + gamma_4 <= gamma_8``, in any order of evaluation).
+    The amplitude is read where it is exact whatever the positions: ``cos`` at position 0 of
+    the layer's own rotary call (``cos 0 = 1``, so the entry is ``a`` as the tables store it,
+    the value :mod:`ropestep.models.conventions` read for the head description); the call's
+    own tables start at ``positions[0]``.  A wrong pairing moves a rotated vector by O(1) at every position but
     0, a wrong GQA map by O(1) on the heads it misroutes.
 
     ``record``: a dict that receives what the model side computed (for ``--dump-raw``; the
@@ -487,8 +491,12 @@ def conventions(model: Any, layer: int, x: Any, positions: Any, *,
                                 for nm in refs for h in range(H))} for rt in routes}
     sc_spec = [float(spec.score_scale(h)) for h in range(H)]
     # the model's score multiplier: the scaling its eager attention received, times the square
-    # of its tables' amplitude (cos at position 0 of this very call)
-    a_run = float(rec.cos.reshape(-1, rec.cos.shape[-1])[0, 0]) if conv.rotary else 1.0
+    # of its tables' amplitude: cos at position 0 of the layer's own rotary call (this call's
+    # tables start at pos[0], where cos is a cos(theta), not a, unless pos[0] is 0)
+    a_run = 1.0
+    if conv.rotary:
+        c0, _ = models.conventions.layer_tables(model, conv, torch.zeros(1, dtype=torch.long))
+        a_run = float(c0[0, 0])
     sc_run = rec.kwargs.get("scaling")
     sc_model = float(d ** -0.5 if sc_run is None else sc_run) * a_run * a_run
     sc_rel = worst([abs(s - sc_model) / sc_model for s in sc_spec])

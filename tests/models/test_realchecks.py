@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import math
 import re
 
 import numpy as np
@@ -1721,3 +1722,34 @@ def test_sample_rows_arguments():
         with pytest.raises(ValueError, match=r"^no eligible queries \(or a negative query "
                                              r"index\)$"):
             rc.sample_rows(2, qs, 1, seed=0)
+
+
+@pytest.mark.parametrize("yarn", [False, True], ids=["llama", "yarn"])
+def test_conventions_at_positions_not_starting_at_zero(build_tiny, yarn):
+    """The score multiplier's amplitude is read where the tables are exactly ``a`` -- cos at
+    position 0 -- not at the call's first position: at positions 5..16 the call's first cos
+    entry is ``a cos 5`` (-0.28 a), and reading it there turns a right model's scale check red
+    (relative error ~11).  The check passes there with the stated ``nonnegative_ops_rel(8)``,
+    and its multiplier is the module's ``scaling`` times the square of cos(0)."""
+    kw = dict(rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6,
+                               "original_max_position_embeddings": 256}) if yarn else {}
+    model = build_tiny("llama", seed=5, num_hidden_layers=1, hidden_size=128,
+                       num_attention_heads=4, num_key_value_heads=2, **kw)
+    ids = torch.randint(0, model.config.vocab_size, (12,),
+                        generator=torch.Generator().manual_seed(1))
+    cap = models.capture(model, ids, [0])[0]
+    pos = cap.positions + 5
+    cos_call, _ = model.model.rotary_emb(cap.x[None].float(), pos[None])
+    a_call = float(cos_call.reshape(-1, cos_call.shape[-1])[0, 0])
+    cos0, _ = model.model.rotary_emb(cap.x[None].float(), torch.zeros(1, 1, dtype=torch.long))
+    a = float(cos0.reshape(-1)[0])
+    assert a_call == pytest.approx(a * math.cos(5.0), rel=1e-5)  # the first entry is not a
+    res = rc.conventions(model, 0, cap.x, pos)
+    assert res["ok"] and res["scale"]["ok"], res
+    assert res["positions"] == [5, 16]
+    sc = res["scale"]
+    assert sc["tolerance"] == tl.nonnegative_ops_rel(8)
+    assert sc["model"] == float(model.model.layers[0].self_attn.scaling) * a * a
+    assert sc["rel"] <= sc["tolerance"]
+    # the same check at positions 0..11 reports the same multiplier
+    assert rc.conventions(model, 0, cap.x, cap.positions)["scale"]["model"] == sc["model"]
