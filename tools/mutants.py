@@ -1297,10 +1297,21 @@ EQUIVALENT: tuple[Equivalence, ...] = (
                   after, "torch.tensor of a Python int with dtype=None infers int64, the "
                   "dtype asked for")
       for after in (", None))",)),
-    *(Equivalence("realchecks.conventions", "rec.cos.reshape(-1, rec.cos.shape[-1])[0, 0]",
-                  after, "[0, 0] of any 2-D reshape of the table is its first element, the "
-                  "first position's first pair either way")
-      for after in ("rec.cos.shape[+1])[0, 0]", "rec.cos.shape[-2])[0, 0]")),
+    # the amplitude: cos at position 0 of the layer's rotary call, a cos(0) = a in every column
+    *(Equivalence("realchecks.conventions", "layer_tables(model, conv, torch.zeros(1, dtype=torch.long))",
+                  after, why)
+      for after, why in (
+          ("torch.zeros(1, dtype=None))", "layer_tables casts the positions with .long(): float "
+           "zeros are position 0 as well"),
+          ("torch.zeros(1, ))", "layer_tables casts the positions with .long(): float zeros are "
+           "position 0 as well"),
+          ("torch.zeros(dtype=torch.long))", "layer_tables flattens the positions "
+           "(reshape(-1)): a 0-d zero is the one position 0"),
+          ("torch.zeros(2, dtype=torch.long))", "two positions 0 give two equal rows; row 0 is "
+           "read"))),
+    Equivalence("realchecks.conventions", "a_run = float(c0[0, 0])", "float(c0[0, 1])",
+                "at position 0 every column of the table is a cos(0 * theta_l) = a exactly "
+                "(0 times a finite frequency is 0): column 1 is column 0"),
     *(Equivalence("realchecks._Attention64.__init__", "self.inv_freq = torch.tensor(inv_freq, dtype=F64)", after,
                   "the adapter's inv_freq are the values of the model's rotary buffer, which "
                   "transformers computes in float32 (torch.arange(...).float()): exact in "
@@ -1429,19 +1440,10 @@ KNOWN_SURVIVORS: tuple[Equivalence, ...] = (
       for orig, after in (("float(d ** -0.5 if sc_run is None else sc_run) * a_run", ""),
                           ("scaling=scalar(float(d ** -0.5 if sc_run is None else sc_run))",
                            ""))),
-    *(Equivalence("realchecks.conventions", orig, after, why)
-      for orig, after, why in (
-          ("[0, 0]) if conv.rotary else 1.0", "[0, 1])",
-           "the first entry's pair 0 and pair 1 are both a cos(0) = a where the first position is "
-           "0, as in every test; at another first position the original is wrong too (the "
-           "amplitude is read as a cos(p), a known bug fixed after this run)"),
-          ("abs(s - sc_model) / sc_model", "* sc_model",
-           "the description's scale equals the model's multiplier exactly in every test (rel "
-           "0), where / and * agree; a positive rel needs a first position other than 0 (see "
-           "the amplitude bug above)"),
-          ("perm] * max(a, 1.0)).transpose(0, 1)", "/ max(a, 1.0)",
-           "the QK-norm branch's amplitude factor: no test model has both QK-norm and scaled "
-           "rotary tables (a = 1 there, where * and / agree)"))),
+    Equivalence("realchecks.conventions", "perm] * max(a, 1.0)).transpose(0, 1)",
+                "/ max(a, 1.0)",
+                "the QK-norm branch's amplitude factor: no test model has both QK-norm and "
+                "scaled rotary tables (a = 1 there, where * and / agree)"),
     Equivalence("realchecks.exact_reference", "(np.abs(v - mu) + np.abs(v))", "np.abs(v + mu)",
                 "the Delta M scale is a denominator of a reported error far below its bar; no "
                 "test recomputes dm_scale independently (proposal: compare it with "

@@ -1753,3 +1753,20 @@ def test_conventions_at_positions_not_starting_at_zero(build_tiny, yarn):
     assert sc["rel"] <= sc["tolerance"]
     # the same check at positions 0..11 reports the same multiplier
     assert rc.conventions(model, 0, cap.x, cap.positions)["scale"]["model"] == sc["model"]
+
+
+def test_conventions_scale_error_is_relative_to_the_models_multiplier(small_llama):
+    """A head description whose score scale is off by a relative 1e-3 (q, k and v unchanged:
+    fast.project's queries are divided by the scale) fails the scale check alone, with
+    ``rel = |s - model| / model = 1e-3`` -- relative to the model's multiplier (1/sqrt(32) here,
+    so a product or an absolute difference would read 5.5e-7 or 1.8e-4)."""
+    model, cap = small_llama
+    spec, w = models.layer_head(model, 0, 12)
+    s0 = float(spec.score_scale(0))
+    bad = replace(spec, scale=s0 * (1 + 1e-3))
+    res = rc.conventions(model, 0, cap.x, cap.positions, head=(bad, w))
+    sc = res["scale"]
+    assert sc["model"] == s0 == 32 ** -0.5
+    assert sc["rel"] == pytest.approx(1e-3, rel=1e-9, abs=0)
+    assert not sc["ok"] and not res["ok"]
+    assert all(h["ok"] for h in res["heads"]) and all(r_["ok"] for r_ in res["routes"].values())
