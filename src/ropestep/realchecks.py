@@ -617,7 +617,7 @@ def _one_head(spec: HeadSpec, weights: HeadWeights, h: int) -> tuple[HeadSpec, H
     def gain(a: Any) -> Any:  # a per-head norm's gain (d,): shared by every head
         if spec.family != "qknorm":
             return None
-        return torch.as_tensor(np.asarray(a) if not torch.is_tensor(a) else a).to("cpu", F64)
+        return torch.as_tensor(a).to("cpu", F64)  # numpy or torch, any float dtype
 
     w1 = HeadWeights(w_q=sl(weights.w_q, h, 1), w_k=sl(weights.w_k, g, 1),
                      w_v=sl(weights.w_v, g, 1), b_q=sl(weights.b_q, h, 0),

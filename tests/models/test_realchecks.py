@@ -898,6 +898,29 @@ def test_bad_input_messages_name_the_argument_and_the_rule(tiny, qk):
     assert r0["rows"][0]["query"] == 0 and r0["anchor"] == rn["anchor"] and r0["anchor"]["ok"]
 
 
+def test_anchor_error_is_each_heads_own_relative_error(tiny):
+    """The anchor's error is per head: head h's largest deviation over head h's own scale.  A
+    planted deviation of 1e-2 of its scale on the largest-scale head alone must read 1e-2 over
+    its grown scale, to within the unplanted reading (the model's own rounding); pooling the
+    deviation over every head before dividing (the largest-scale head's error over the
+    smallest head's scale) reads that times the ratio of the heads' scales (1.29 here)."""
+    m, x, pos, heads = tiny["model"], tiny["x"], tiny["pos"], tiny["heads"]
+    scale = heads.double().abs().amax((0, 2))
+    assert float(scale.max() / scale.min()) > 1.05  # the fixture separates the two readings
+    h = int(scale.argmax())
+    planted = heads.double().clone()
+    planted[:, h] += 1e-2 * float(scale[h]) * torch.sign(planted[:, h])  # |entries| grow by 1e-2 S
+    want = 1e-2 * float(scale[h]) / float(planted[:, h].abs().max())  # the planted head's reading
+    # the unplanted reading bounds the model's own rounding on every head: nat_h / S_h <= base,
+    # and the planted head's reading is want + nat_h / S'_h with S'_h > S_h
+    base = rc.position_shift(m, LAYER, x, pos, [3], deltas=(1,), heads=heads)["anchor"]
+    # and the pooled reading, want * S_max / S_min, lies 10 unplanted readings or more away
+    assert base["ok"] and base["rel_max"] < 0.1 * want * (float(scale.max() / scale.min()) - 1)
+    a = rc.position_shift(m, LAYER, x, pos, [3], deltas=(1,), heads=planted)["anchor"]
+    print("planted anchor", a["rel_max"], "want", want, "unplanted", base["rel_max"])
+    assert abs(a["rel_max"] - want) <= base["rel_max"] and not a["ok"]
+
+
 # ---------------------------------------------------------------------------------------------
 # the anchor (the model's captured heads against the float64 composition): its tolerance in
 # each model dtype, recomputed here from its stated formula and the model's own projections
@@ -1291,6 +1314,12 @@ def test_one_head_keeps_every_field_of_its_head(tiny, qk):
     assert sq.family == "qknorm" and sq.norm_eps == t["spec"].norm_eps
     assert torch.equal(wq.q_norm, torch.as_tensor(t["w"].q_norm).double())
     assert torch.equal(wq.k_norm, torch.as_tensor(t["w"].k_norm).double())
+    # numpy and bfloat16 gains read the same (the gains a capture or a user hands over)
+    for conv in (np.asarray, lambda a: torch.as_tensor(a).to(torch.bfloat16)):
+        wc = replace(t["w"], q_norm=conv(t["w"].q_norm), k_norm=conv(t["w"].k_norm))
+        _, wcq = rc._one_head(t["spec"], wc, 1)
+        for got, src in ((wcq.q_norm, wc.q_norm), (wcq.k_norm, wc.k_norm)):
+            assert got.dtype == torch.float64 and torch.equal(got, torch.as_tensor(src).double())
     whole = replace(t["spec"], norm_scope="all")
     with pytest.raises(ValueError, match=r"^a norm over every head of a token needs every head: "
                                          r"build the whole layer \(exact_reference does\)$"):
