@@ -654,3 +654,55 @@ def test_tool_verdicts_kept_between_sessions(tool, tmp_path):
     (fresh / meta.relative_to(copy)).write_text("its own")
     assert not tool.seed_state(fresh, "p", files, state)  # a copy's own verdicts win
     assert (fresh / meta.relative_to(copy)).read_text() == "its own"
+
+
+def test_realchecks_state_its_survivor_list_and_the_readme_agree():
+    """The saved realchecks verdicts (mutation/state/mutmut-realchecks), the survivor list
+    written with them (``tools/mutants.py --save-state``: every survivor with its reason, none
+    UNEXPLAINED) and the README's account give the same counts."""
+    state = REPO / "mutation" / "state" / "mutmut-realchecks"
+    codes = json.loads((state / "realchecks.py.meta").read_text(encoding="utf-8"))[
+        "exit_code_by_key"]
+    killed = sum(1 for c in codes.values() if c == 1)
+    survived = sum(1 for c in codes.values() if c == 0)
+    untested = sum(1 for c in codes.values() if c is None)
+    lines = (state / "survivors.md").read_text(encoding="utf-8").splitlines()
+    assert lines[2].startswith(f"{len(codes)} mutants: {killed} killed, {survived} survived (")
+    assert f"{untested} untested" in lines[2]
+    rows = [ln for ln in lines if ln.startswith("| `")]
+    assert len(rows) == survived
+    assert not [r for r in rows if "UNEXPLAINED" in r]
+    eq = sum(1 for r in rows if "| equivalent |" in r)
+    live = survived - eq
+    assert f"({eq} equivalent, {live} not killed)" in lines[2]
+    readme = " ".join((REPO / "README.md").read_text(encoding="utf-8").split())
+    frac = f"{killed}/{killed + live} = {killed / (killed + live):.4f}"
+    assert frac in lines[2] and frac in readme
+    assert f"{len(codes)} mutants" in readme and f"{eq} equivalent" in readme
+    # the committed report's part, where it is in the report, counts the same verdicts
+    part = json.loads((REPO / "mutation" / "report.json").read_text(encoding="utf-8"))[
+        "parts"].get("mutmut-realchecks")
+    if part is not None:
+        s = part["summary"]
+        assert (s["total"], s["killed"], s["equivalent"], s["survived"]) == (
+            len(codes), killed, eq, live)
+
+
+def test_readme_mutation_table_is_the_committed_report():
+    """Every row of the README's mutation table (part, mutants, killed, equivalent, survived)
+    is the committed report's count for that part, and the table names every part the report
+    holds: a rerun that changes a count without the README, or a README edited by hand, fails."""
+    lines = (REPO / "README.md").read_text(encoding="utf-8").splitlines()
+    head = lines.index("| part | module | mutants | killed | equivalent (each with its reason) "
+                       "| survived |")
+    rows = {}
+    for ln in lines[head + 2:]:
+        if not ln.startswith("| `"):
+            break
+        cells = [c.strip() for c in ln.strip("|").split("|")]
+        rows[cells[0].strip("`")] = tuple(int(c) for c in cells[-4:])
+    parts = json.loads((REPO / "mutation" / "report.json").read_text(encoding="utf-8"))["parts"]
+    assert set(rows) == set(parts)
+    for name, part in parts.items():
+        s = part["summary"]
+        assert rows[name] == (s["total"], s["killed"], s["equivalent"], s["survived"]), name

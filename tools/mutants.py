@@ -1491,13 +1491,11 @@ KNOWN_SURVIVORS: tuple[Equivalence, ...] = (
                   "an error between 1 and 2 times its bound occurs on no test row: the correct "
                   "model's ratios are ~1e-3 and every planted bug's are > 10")
       for fn in ("position_derivative", "position_shift")),
-    *(Equivalence("realchecks._anchor", orig, after,
-                  "the anchor's reported relative error against the captured heads: the "
-                  "tests judge it against its tolerance (orders of magnitude slack), not its "
-                  "exact value")
-      for orig, after in (("cap = cap.to(F64)", "cap.to(None)"),
-                          ("den = cap.abs().amax((0, 2))", "amax(None)"),
-                          ("rel = (mine - cap).abs().amax((0, 2)) / den", "* den"))),
+    Equivalence("realchecks._anchor", "cap = cap.to(F64)", "cap.to(None)",
+                "the captured heads kept in their own dtype: abs, max and the difference with "
+                "the float64 composition (promoted exactly) are unchanged; only the "
+                "clamp_min(SCALE_GUARD) of a head whose captured outputs are all ~0 rounds "
+                "differently in float32/bf16, and no test captures an all-zero head's outputs"),
     Equivalence("realchecks._normalised_abs", "torch.where(r > rho,", "r >= rho",
                 "differs only at r == rho exactly (an error as large as the vector's RMS), "
                 "where the original's bound is NaN and the mutant's inf: no test row"),

@@ -903,7 +903,9 @@ def test_anchor_error_is_each_heads_own_relative_error(tiny):
     planted deviation of 1e-2 of its scale on the largest-scale head alone must read 1e-2 over
     its grown scale, to within the unplanted reading (the model's own rounding); pooling the
     deviation over every head before dividing (the largest-scale head's error over the
-    smallest head's scale) reads that times the ratio of the heads' scales (1.29 here)."""
+    smallest head's scale) reads that times the ratio of the heads' scales (1.29 here), and
+    dividing every head's error by the largest scale misreads a deviation on the smallest-scale
+    head by the inverse ratio."""
     m, x, pos, heads = tiny["model"], tiny["x"], tiny["pos"], tiny["heads"]
     scale = heads.double().abs().amax((0, 2))
     assert float(scale.max() / scale.min()) > 1.05  # the fixture separates the two readings
@@ -918,6 +920,14 @@ def test_anchor_error_is_each_heads_own_relative_error(tiny):
     assert base["ok"] and base["rel_max"] < 0.1 * want * (float(scale.max() / scale.min()) - 1)
     a = rc.position_shift(m, LAYER, x, pos, [3], deltas=(1,), heads=planted)["anchor"]
     print("planted anchor", a["rel_max"], "want", want, "unplanted", base["rel_max"])
+    assert abs(a["rel_max"] - want) <= base["rel_max"] and not a["ok"]
+    # the same on the smallest-scale head: there, dividing by the scale of every head (the
+    # largest) instead of its own reads 1e-2 times the inverse ratio
+    lo = int(scale.argmin())
+    planted = heads.double().clone()
+    planted[:, lo] += 1e-2 * float(scale[lo]) * torch.sign(planted[:, lo])
+    want = 1e-2 * float(scale[lo]) / float(planted[:, lo].abs().max())
+    a = rc.position_shift(m, LAYER, x, pos, [3], deltas=(1,), heads=planted)["anchor"]
     assert abs(a["rel_max"] - want) <= base["rel_max"] and not a["ok"]
 
 
@@ -1657,6 +1667,10 @@ def test_conventions_zero_heads_kv_map_and_the_head_given(small_llama, zoo_layer
     per = replace(spec, rope=replace(spec.rope, base=bases, cos=None, sin=None, freqs=None))
     res = rc.conventions(model, 0, cap.x, cap.positions, head=(per, w))
     assert [h_["ok"] for h_ in res["heads"]] == [True] * (H - 1) + [False], res["heads"]
+    # and both routes see head H-1's keys rotated by its own base (the spec route's key table
+    # is head H-1's row, not a neighbour's that happens to hold the model's base)
+    for rt in ("spec", "fast.project"):
+        assert res["routes"][rt]["k_rel_max"] > tl.DETECT_FACTOR * res["heads"][H - 1]["k_tol"], rt
     half = (replace(spec, n_heads=Hk),
             replace(w, w_q=torch.as_tensor(w.w_q)[:, :Hk], w_o=torch.as_tensor(w.w_o)[:Hk]))
     with pytest.raises(ValueError, match=rf"^head description has \(H, H_kv, d\) = "
