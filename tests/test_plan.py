@@ -61,8 +61,10 @@ def test_counts_by_brute_force():
         lam = cost.lambda_max_flops(d)  # d = 8 = k: eight full Lanczos steps
         assert lam == 8 * (2 * 64 + 32) + 4 * 8 * 8 * 9 + 2 * 64 + 8 / 3 * 729
         streamed = H * sum(2 * k * d + 2 * k * d * r + 2 * k * r for k in n)
-        step = H * sum(2 * k * d * d + lam + 4 * d * d * r for k in n)
-        inp = H * N * (4 * d ** 3 + lam + 4 * d * d * r)
+        # query space: G T (2 d^2 r), <T, G T> and ||T||^2 (2 d r each)
+        step = H * sum(2 * k * d * d + lam + 2 * d * d * r + 4 * d * r for k in n)
+        # input space: Y = B^T T and M Y (2 d^2 r each), <Y, M Y> and ||Y||^2
+        inp = H * N * (4 * d ** 3 + lam + 4 * d * d * r + 4 * d * r)
         reuse = H * N * (2 * (m + 1) * d + 2 * d * r)
         got = cost.atlas_flops(N=N, d=d, r=r, m=m, H=H, H_kv=Hk, window=window)
         assert got["lowp_maxkey"] == got["float64_maxkey"] == streamed

@@ -3,6 +3,8 @@ against the mpmath oracle: lambda_max, E before and after the unit step, and the
 dot-product heads with biases and GQA and for a Cosine-RoPE layer (docs/math.md section 3)."""
 from __future__ import annotations
 
+import math
+
 import mpmath as mp
 import numpy as np
 import pytest
@@ -79,3 +81,54 @@ def test_query_descent_refuses_other_gauges():
                    gauge="maxkey")
     with pytest.raises(ValueError, match="original gauge"):
         fast.query_descent(st)
+
+
+def test_gram_matrix_against_the_plain_sum_in_every_form():
+    """``fast.gram`` (one GEMM of the coefficient rows with ``vec(k~_j^T k~_j)``) against the sum
+    ``sum_j c_ij k~_j^T k~_j`` taken key by key in mpmath; the shared-outer-product and
+    ``out=`` forms the atlas uses give the same matrices bit for bit.  The bound: the GEMM sums
+    ``n`` products of non-negative weights and rounded outer products, so each entry is within
+    ``gamma_(n+2) sum_j c_ij |k_ja| |k_jb|`` of the exact sum (Higham, Lemma 3.5)."""
+    g = torch.Generator().manual_seed(3)
+    G_, Q, n, d = 3, 5, 40, 6
+    c = torch.rand(G_, Q, n, generator=g, dtype=torch.float64)
+    k = torch.randn(n, d, generator=g, dtype=torch.float64) * 3
+    got = fast.gram(c, k)
+    outer = fast.key_outer(k)
+    assert outer.shape == (n, d * d)
+    assert torch.equal(fast.gram(c, None, outer=outer), got)
+    buf = torch.full((G_, Q, d, d), math.nan, dtype=torch.float64)
+    assert fast.gram(c, None, outer=outer, out=buf) is buf
+    assert torch.equal(buf, got)
+    assert torch.equal(fast.gram(c, None, outer=fast.key_outer(torch.cat([k, -k]))[:n]),
+                       got)  # the atlas's slice of the group's outer products
+    u = float(torch.finfo(torch.float64).eps) / 2
+    gam = (n + 2) * u / (1 - (n + 2) * u)
+    cn, kn = c.numpy(), k.numpy()
+    with mp.workdps(40):
+        for (h, i) in ((0, 0), (2, 4), (1, 3)):
+            for a in range(d):
+                for b in range(d):
+                    exact = mp.fsum(mp.mpf(cn[h, i, j]) * mp.mpf(kn[j, a]) * mp.mpf(kn[j, b])
+                                    for j in range(n))
+                    mag = sum(abs(cn[h, i, j] * kn[j, a] * kn[j, b]) for j in range(n))
+                    assert abs(float(got[h, i, a, b]) - float(exact)) <= gam * mag
+
+
+def test_query_step_change_is_the_steps_second_value():
+    """``fast.query_step_change`` is the ``E(step) - E(0)`` of ``fast.query_space_step``, and a
+    dropped score scale in it changes the verdict's value (it is not the unscaled formula)."""
+    g = torch.Generator().manual_seed(4)
+    c = torch.rand(2, 4, 30, generator=g, dtype=torch.float64)
+    k = torch.randn(30, 5, generator=g, dtype=torch.float64)
+    t = torch.randn(2, 4, 5, 3, generator=g, dtype=torch.float64)
+    G = fast.gram(c, k)
+    sc = torch.tensor([0.5, 0.25], dtype=torch.float64)[:, None]
+    lam, de = fast.query_space_step(G, t, sc)
+    assert torch.equal(de, fast.query_step_change(G, t, sc))
+    assert torch.allclose(lam, sc ** 2 * torch.linalg.eigvalsh(G)[..., -1], rtol=1e-13)
+    s2 = sc ** 2
+    quad = torch.einsum("hqab,hqac,hqbc->hq", G, t, t)  # <T, G T>, another summation order
+    ref = s2 * (0.5 * s2 * quad - (t * t).sum((-1, -2)))
+    assert torch.allclose(de, ref, rtol=1e-12, atol=1e-14)
+    assert not torch.allclose(fast.query_step_change(G, t, torch.ones_like(sc)), de)

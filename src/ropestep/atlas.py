@@ -154,11 +154,12 @@ def evaluate_layer(spec: HeadSpec, weights: HeadWeights, x: torch.Tensor, positi
 
     # pass A: float64, original gauge (the paper's), with s, c and kappa
     t0 = time.perf_counter()
+    bufs: dict = {}  # work buffers reused by the chunks
     try:
         for ch in scale.stream(spec, weights, x, positions, gauge="original", layer=L64,
                                max_bytes=max_bytes, outputs=("s", "c", "kappa")):
             _pass_original(ch, L64, arr, nat, vscale, sc, Ah, q_unrot, anchors, anchor_every,
-                           T_a, mu_a, y_a, p_a, u_all, lay)
+                           T_a, mu_a, y_a, p_a, u_all, lay, bufs)
             hs = ch.heads
             arr["native_orig_bound"][hs[0]:hs[-1] + 1, ch.queries] = bound(
                 hs, ch.queries, ch.extra["kappa"], torch.float64)
@@ -205,7 +206,7 @@ def evaluate_layer(spec: HeadSpec, weights: HeadWeights, x: torch.Tensor, positi
 
 
 def _pass_original(ch, L64, arr, nat, vscale, sc, Ah, q_unrot, anchors, anchor_every, T_a, mu_a,
-                   y_a, p_a, u_all, lay) -> None:
+                   y_a, p_a, u_all, lay, bufs) -> None:
     """Reduce one float64 original-gauge chunk into the per-query arrays (see evaluate_layer)."""
     hs, qi = ch.heads, ch.queries
     h0, h1 = hs[0], hs[-1] + 1
@@ -238,25 +239,34 @@ def _pass_original(ch, L64, arr, nat, vscale, sc, Ah, q_unrot, anchors, anchor_e
     cb = L64.cos[:, qi] if L64.cos.shape[0] == 1 else L64.cos[hs][:, qi]
     sb = L64.sin[:, qi] if L64.sin.shape[0] == 1 else L64.sin[hs][:, qi]
     if L64.spec.softcap is None:  # the descent statistics are derived for phi = id
-        # gradient step: G_i = sum_j c_ij k~_j^T k~_j, query and input space as d x d problems
-        Gm = fast.gram(c, L64.k[g, :n])  # (G, Qc, d, d)
-        lam_q, dE_q = fast.query_space_step(Gm, t, sc[hs][:, None])
-        arr["lam_query"][h0:h1, qi] = lam_q
-        arr["inc_query"][h0:h1, qi] = (dE_q > 0).double()
-    else:
-        Ah = None
-    # input space: with B_i^T = A_h^(1/2) R_i^T (one rotation of A_h^(1/2) per query), the
-    # input-space Hessian's nonzero spectrum is that of M_i = B_i^T G_i B_i (d x d), and the
-    # unit step's quadratic test reads, with Y_i = B_i^T T_i,  0.5 <Y, M Y> > <Y, Y>
-    # (docs/math.md section 3; L_i^T L_i = R_i A_h R_i^T = B_i B_i^T)
-    if Ah is not None:
-        Bt = apply_rope(Ah[hs][:, None], cb[..., None, :], sb[..., None, :], lay)  # (G,Qc,d,d)
-        B = Bt.transpose(-1, -2)
-        M = Bt @ Gm @ B
-        arr["lam_input"][h0:h1, qi] = fast.lambda_max(M)
-        Y = Bt @ t  # (G, Qc, d, r)
-        inc = 0.5 * (Y * (M @ Y)).sum((-1, -2)) > (Y * Y).sum((-1, -2))
-        arr["inc_input"][h0:h1, qi] = inc.double()
+        # gradient step: G_i = sum_j c_ij k~_j^T k~_j, query and input space as d x d problems;
+        # input space: with B_i^T = A_h^(1/2) R_i^T (one rotation of A_h^(1/2) per query), the
+        # input-space Hessian's nonzero spectrum is that of M_i = B_i^T G_i B_i (d x d), and
+        # the unit step's quadratic test reads, with Y_i = B_i^T T_i,  0.5 <Y, M Y> > <Y, Y>
+        # (docs/math.md section 3; L_i^T L_i = R_i A_h R_i^T = B_i B_i^T).  G and M of the
+        # chunk share one buffer, so that one lambda_max call certifies both; the products run
+        # one head at a time (d x d operands that stay in cache)
+        two = 1 if Ah is None else 2
+        key = ("descent", two, G_, Qc, d)
+        if key not in bufs:
+            bufs[key] = s.new_empty((two, G_, Qc, d, d))
+        sym = bufs[key]
+        if bufs.get("outer_of") != g:  # vec(k~_j^T k~_j) of the group's keys, once
+            bufs["outer"], bufs["outer_of"] = fast.key_outer(L64.k[g]), g
+        Gm = fast.gram(c, None, outer=bufs["outer"][:n], out=sym[0])  # (G, Qc, d, d)
+        for gi, h in enumerate(hs):
+            arr["inc_query"][h, qi] = (fast.query_step_change(Gm[gi], t[gi], sc[h]) > 0).double()
+            if Ah is not None:
+                ci = gi if cb.shape[0] > 1 else 0
+                Bt = apply_rope(Ah[h][None], cb[ci][:, None, :], sb[ci][:, None, :], lay)
+                M = torch.matmul(Bt @ Gm[gi], Bt.transpose(-1, -2), out=sym[1, gi])
+                Y = Bt @ t[gi]  # (Qc, d, r)
+                inc = 0.5 * (Y * (M @ Y)).sum((-1, -2)) > (Y * Y).sum((-1, -2))
+                arr["inc_input"][h, qi] = inc.double()
+        lam = fast.lambda_max(sym)  # (two, G, Qc)
+        arr["lam_query"][h0:h1, qi] = sc[hs][:, None] ** 2 * lam[0]
+        if Ah is not None:
+            arr["lam_input"][h0:h1, qi] = lam[1]
     # frozen reuse: anchors of this chunk first, then every query of the chunk
     q_list = qi.tolist()
     for a_idx, a in enumerate(anchors.tolist()):

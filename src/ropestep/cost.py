@@ -52,9 +52,11 @@ def atlas_flops(*, N: int, d: int, r: int, m: int, H: int, H_kv: int, affine: bo
       (``sum_j c_ij k^_j v^_j^T``, one GEMM row) ``2 n d r``, the output ``2 n r``;
     * the float64 original-gauge pass besides (unless the scores are soft-capped, where the
       step statistics are not defined): the Gram matrix ``G_i`` ``2 n d^2``, its largest
-      eigenvalue :func:`lambda_max_flops`, the step's quadratic test ``4 d^2 r``; on affine
-      heads the input-space problem ``M_i = B_i^T G_i B_i`` ``4 d^3``, its largest eigenvalue,
-      the test ``4 d^2 r``; frozen reuse ``2 (m + 1) d + 2 d r``;
+      eigenvalue :func:`lambda_max_flops`, the step's quadratic test in query space
+      ``2 d^2 r + 4 d r`` (``G_i T_i``, then ``<T, G T>`` and ``||T||^2``); on affine heads the
+      input-space problem ``M_i = B_i^T G_i B_i`` ``4 d^3``, its largest eigenvalue, the test
+      ``4 d^2 r + 4 d r`` (``Y_i = B_i^T T_i``, ``M_i Y_i``, ``<Y, M Y>``, ``||Y||^2``); frozen
+      reuse ``2 (m + 1) d + 2 d r``;
     * the projections, once per item: ``2 N (m + 1) (H d + H_kv d + H_kv r)``.
     """
     S, Q = prefix_sums(N, window)
@@ -62,9 +64,9 @@ def atlas_flops(*, N: int, d: int, r: int, m: int, H: int, H_kv: int, affine: bo
     extra = 0.0
     if not softcap:
         lam = lambda_max_flops(d)
-        extra += H * (2 * S * d * d + Q * (lam + 4 * d * d * r))
+        extra += H * (2 * S * d * d + Q * (lam + 2 * d * d * r + 4 * d * r))
         if affine:
-            extra += H * Q * (4 * d ** 3 + lam + 4 * d * d * r)
+            extra += H * Q * (4 * d ** 3 + lam + 4 * d * d * r + 4 * d * r)
     extra += H * Q * (2 * (m + 1) * d + 2 * d * r)
     return {"project": 2.0 * N * (m + 1) * (H * d + H_kv * d + H_kv * r),
             "float64_original": float(streamed + extra),

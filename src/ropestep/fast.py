@@ -353,13 +353,25 @@ def descent(st: Step) -> DescentCheck:
     return DescentCheck(lam, e0, e1)
 
 
-def gram(c: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+def key_outer(k: torch.Tensor) -> torch.Tensor:
+    """``vec(k~_j^T k~_j)`` for keys ``k (..., n, d)``: ``(..., n, d^2)``, the right operand of
+    :func:`gram` (computed once for keys that several Gram products share)."""
+    return (k[..., :, :, None] * k[..., :, None, :]).flatten(-2)
+
+
+def gram(c: torch.Tensor, k: torch.Tensor | None, *, outer: torch.Tensor | None = None,
+         out: torch.Tensor | None = None) -> torch.Tensor:
     """``G_i = sum_j c_ij k~_j^T k~_j`` for coefficient rows ``c (..., Q, n)`` and keys
     ``k (..., n, d)`` (or one shared ``(n, d)``): one GEMM of the rows with ``vec(k~_j^T k~_j)``
-    (``n x d^2``), returned as ``(..., Q, d, d)``."""
-    d = k.shape[-1]
-    kk = (k[..., :, :, None] * k[..., :, None, :]).flatten(-2)  # (..., n, d^2)
-    return (c @ kk).unflatten(-1, (d, d))
+    (``n x d^2``, :func:`key_outer`; pass it as ``outer`` instead of ``k`` where it is shared),
+    returned as ``(..., Q, d, d)`` (written into ``out``, a contiguous ``(..., Q, d, d)``
+    tensor, when given)."""
+    kk = key_outer(k) if outer is None else outer
+    d = math.isqrt(kk.shape[-1])
+    if out is None:
+        return (c @ kk).unflatten(-1, (d, d))
+    torch.matmul(c, kk, out=out.view(*out.shape[:-2], d * d))
+    return out
 
 
 LANCZOS_STEPS = 8  # Krylov dimension of lambda_max: on SmolLM2's matrices (4 layers x 9 heads x 512
@@ -460,9 +472,15 @@ def query_space_step(G: torch.Tensor, t: torch.Tensor, scale: torch.Tensor
     The same holds for Cosine-RoPE heads (unit rotated keys, ``scale = 1/tau``).
     """
     s2 = scale * scale
-    lam = s2 * lambda_max(G)
+    return s2 * lambda_max(G), query_step_change(G, t, scale)
+
+
+def query_step_change(G: torch.Tensor, t: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``E_i(step) - E_i(0) = scale^2 (0.5 scale^2 <T, G T> - ||T||^2)`` of the query-space
+    unit step (:func:`query_space_step`, which also returns ``lambda_max``)."""
+    s2 = scale * scale
     quad = (t * (G @ t)).sum((-1, -2))
-    return lam, s2 * (0.5 * s2 * quad - (t * t).sum((-1, -2)))
+    return s2 * (0.5 * s2 * quad - (t * t).sum((-1, -2)))
 
 
 def query_descent(st: Step) -> DescentCheck:

@@ -522,8 +522,8 @@ def recompute(path: str | Path, *, maxkey_tie: float = 0.0, dps: int = 30) -> Re
 def counted_flops(manifest: dict) -> dict[str, float]:
     """Section 11's operation counts (`cost`) of every dumped item, summed per phase, from the dumped
     sizes: per head and query ``i`` with ``n = i + 1`` keys, ``2nd + 2ndr + 2nr`` in each
-    streamed pass; in the float64 original-gauge pass besides ``2nd^2 + l + 4 d^2 r`` and
-    (affine heads) ``4 d^3 + l + 4 d^2 r``, and ``2(m+1)d + 2dr`` for frozen reuse, with ``l``
+    streamed pass; in the float64 original-gauge pass besides ``2nd^2 + l + 2 d^2 r + 4 d r`` and
+    (affine heads) ``4 d^3 + l + 4 d^2 r + 4 d r``, and ``2(m+1)d + 2dr`` for frozen reuse, with ``l``
     the certified largest eigenvalue's ``k(2d^2 + 4d) + 4dk(k+1) + 2d^2 + 8/3 (k+1)^3`` at the
     section's ``k = 8`` Lanczos steps (``min(k, d)``); the projections
     ``2N(m+1)(Hd + H_kv d + H_kv r)`` once per item.  Plain causal heads only (the atlas
@@ -538,9 +538,9 @@ def counted_flops(manifest: dict) -> dict[str, float]:
         k = min(8, d)  # the documented Lanczos steps
         lam = k * (2 * d * d + 4 * d) + 4 * d * k * (k + 1) + 2 * d * d + 8 * (k + 1) ** 3 / 3
         original = streamed + H * per_query_keys * 2 * d * d
-        original += H * N * (lam + 4 * d * d * r)
+        original += H * N * (lam + 2 * d * d * r + 4 * d * r)
         if f["family"] == "dot":
-            original += H * N * (4 * d ** 3 + lam + 4 * d * d * r)
+            original += H * N * (4 * d ** 3 + lam + 4 * d * d * r + 4 * d * r)
         original += H * N * (2 * (m + 1) * d + 2 * d * r)
         out["project"] += 2 * N * (m + 1) * (H * d + Hk * d + Hk * r)
         out["float64_original"] += original
