@@ -1035,11 +1035,6 @@ EQUIVALENT: tuple[Equivalence, ...] = (
       for v, x in (("ra", "a"), ("rb", "b"))),
     Equivalence("atlas._pass_original", "npre = mask.sum(-1)", "npre = mask.sum(+1)",
                 "the chunk's mask is (queries, keys): axis 1 is axis -1"),
-    Equivalence("atlas._pass_original", "B = Bt.transpose(-1, -2)", "B = Bt.transpose(-1, +2)",
-                "Bt is (heads, queries, d, d): axis 2 is axis -2"),
-    *(Equivalence("atlas._pass_original", "inc = 0.5 * (Y * (M @ Y)).sum((-1, -2)) > (Y * Y)",
-                  after, "Y is (heads, queries, d, r): axis 2 is axis -2")
-      for after in ("(M @ Y)).sum((-1, +2)) >", "(Y * Y).sum((-1, +2))")),
     Equivalence("atlas._pass_original", "d = t.shape[-2]", "d = t.shape[+2]",
                 "t is (heads, queries, d, r): axis 2 is axis -2"),
     *(Equivalence("atlas._pass_original", "device=s.device)", after,

@@ -154,12 +154,12 @@ def evaluate_layer(spec: HeadSpec, weights: HeadWeights, x: torch.Tensor, positi
 
     # pass A: float64, original gauge (the paper's), with s, c and kappa
     t0 = time.perf_counter()
-    bufs: dict = {}  # work buffers reused by the chunks
+    work = _Work()  # buffers the chunks share
     try:
         for ch in scale.stream(spec, weights, x, positions, gauge="original", layer=L64,
                                max_bytes=max_bytes, outputs=("s", "c", "kappa")):
             _pass_original(ch, L64, arr, nat, vscale, sc, Ah, q_unrot, anchors, anchor_every,
-                           T_a, mu_a, y_a, p_a, u_all, lay, bufs)
+                           T_a, mu_a, y_a, p_a, u_all, lay, work)
             hs = ch.heads
             arr["native_orig_bound"][hs[0]:hs[-1] + 1, ch.queries] = bound(
                 hs, ch.queries, ch.extra["kappa"], torch.float64)
@@ -205,8 +205,18 @@ def evaluate_layer(spec: HeadSpec, weights: HeadWeights, x: torch.Tensor, positi
                        vscale.cpu().numpy(), nscale.cpu().numpy(), qk_max.cpu().numpy(), errors)
 
 
+@dataclass
+class _Work:
+    """Work buffers the float64 original-gauge chunks of one layer share: the key group whose
+    outer products ``vec(k~_j^T k~_j)`` are held (:func:`ropestep.fast.key_outer`), and the
+    buffers of the chunks' ``G_i`` and ``M_i``, by shape."""
+    group: int = -1
+    outer: torch.Tensor | None = None
+    descent: dict = field(default_factory=dict)
+
+
 def _pass_original(ch, L64, arr, nat, vscale, sc, Ah, q_unrot, anchors, anchor_every, T_a, mu_a,
-                   y_a, p_a, u_all, lay, bufs) -> None:
+                   y_a, p_a, u_all, lay, work: _Work) -> None:
     """Reduce one float64 original-gauge chunk into the per-query arrays (see evaluate_layer)."""
     hs, qi = ch.heads, ch.queries
     h0, h1 = hs[0], hs[-1] + 1
@@ -246,27 +256,28 @@ def _pass_original(ch, L64, arr, nat, vscale, sc, Ah, q_unrot, anchors, anchor_e
         # (docs/math.md section 3; L_i^T L_i = R_i A_h R_i^T = B_i B_i^T).  G and M of the
         # chunk share one buffer, so that one lambda_max call certifies both; the products run
         # one head at a time (d x d operands that stay in cache)
-        two = 1 if Ah is None else 2
-        key = ("descent", two, G_, Qc, d)
-        if key not in bufs:
-            bufs[key] = s.new_empty((two, G_, Qc, d, d))
-        sym = bufs[key]
-        if bufs.get("outer_of") != g:  # vec(k~_j^T k~_j) of the group's keys, once
-            bufs["outer"], bufs["outer_of"] = fast.key_outer(L64.k[g]), g
-        Gm = fast.gram(c, None, outer=bufs["outer"][:n], out=sym[0])  # (G, Qc, d, d)
+        shape = (1 if Ah is None else 2, G_, Qc, d, d)
+        if shape not in work.descent:
+            work.descent[shape] = s.new_empty(shape)
+        sym = work.descent[shape]
+        if work.group != g:  # vec(k~_j^T k~_j) of the group's keys, once per group
+            work.group, work.outer = g, fast.key_outer(L64.k[g])
+        Gm = fast.gram(c, None, outer=work.outer[:n], out=sym[0])  # (G, Qc, d, d)
+        cbh, sbh = cb.expand(G_, -1, -1), sb.expand(G_, -1, -1)  # a group's rows, or its heads'
         for gi, h in enumerate(hs):
             arr["inc_query"][h, qi] = (fast.query_step_change(Gm[gi], t[gi], sc[h]) > 0).double()
             if Ah is not None:
-                ci = gi if cb.shape[0] > 1 else 0
-                Bt = apply_rope(Ah[h][None], cb[ci][:, None, :], sb[ci][:, None, :], lay)
+                Bt = apply_rope(Ah[h][None], cbh[gi][:, None, :], sbh[gi][:, None, :], lay)
                 M = torch.matmul(Bt @ Gm[gi], Bt.transpose(-1, -2), out=sym[1, gi])
                 Y = Bt @ t[gi]  # (Qc, d, r)
                 inc = 0.5 * (Y * (M @ Y)).sum((-1, -2)) > (Y * Y).sum((-1, -2))
                 arr["inc_input"][h, qi] = inc.double()
-        lam = fast.lambda_max(sym)  # (two, G, Qc)
-        arr["lam_query"][h0:h1, qi] = sc[hs][:, None] ** 2 * lam[0]
-        if Ah is not None:
-            arr["lam_input"][h0:h1, qi] = lam[1]
+        if Ah is None:  # one certified lambda_max call: G's, then M's
+            (lam_q,) = fast.lambda_max(sym)
+        else:
+            lam_q, lam_in = fast.lambda_max(sym)
+            arr["lam_input"][h0:h1, qi] = lam_in
+        arr["lam_query"][h0:h1, qi] = sc[hs][:, None] ** 2 * lam_q
     # frozen reuse: anchors of this chunk first, then every query of the chunk
     q_list = qi.tolist()
     for a_idx, a in enumerate(anchors.tolist()):
