@@ -277,7 +277,7 @@ def _pass_original(ch, L64, arr, nat, vscale, sc, Ah, q_unrot, anchors, anchor_e
         else:
             lam_q, lam_in = fast.lambda_max(sym)
             arr["lam_input"][h0:h1, qi] = lam_in
-        arr["lam_query"][h0:h1, qi] = sc[hs][:, None] ** 2 * lam_q
+        arr["lam_query"][h0:h1, qi] = fast.query_lambda(lam_q, sc[hs][:, None])
     # frozen reuse: anchors of this chunk first, then every query of the chunk
     q_list = qi.tolist()
     for a_idx, a in enumerate(anchors.tolist()):

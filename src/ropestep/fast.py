@@ -471,8 +471,13 @@ def query_space_step(G: torch.Tensor, t: torch.Tensor, scale: torch.Tensor
     ``(..., Q)``.  The unit step increases E exactly when ``0.5 scale^2 <T, G T> > ||T||^2``.
     The same holds for Cosine-RoPE heads (unit rotated keys, ``scale = 1/tau``).
     """
-    s2 = scale * scale
-    return s2 * lambda_max(G), query_step_change(G, t, scale)
+    return query_lambda(lambda_max(G), scale), query_step_change(G, t, scale)
+
+
+def query_lambda(lam_g: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``lambda_max(H_i) = scale^2 lambda_max(G_i)`` of the query-space step from the Gram
+    matrix's largest eigenvalue ``lam_g`` (:func:`query_space_step`)."""
+    return scale * scale * lam_g
 
 
 def query_step_change(G: torch.Tensor, t: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
