@@ -424,21 +424,29 @@ def lambda_max(A: torch.Tensor, steps: int = LANCZOS_STEPS, *,
 
 def _lanczos(X: torch.Tensor, steps: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(alpha, beta)`` of ``k = min(steps, d)`` Lanczos steps on every matrix of ``X (B, d, d)``
-    from the all-ones vector, with full reorthogonalisation (twice: "twice is enough")."""
+    from the all-ones vector, with full reorthogonalisation (twice: "twice is enough").
+
+    The vectors are rows ``(B, 1, d)``: the product is ``q^T X`` (one batched row-times-matrix
+    ``bmm``, faster on CPU than ``X q`` or an element-wise product and sum), i.e. the recurrence
+    runs on ``X^T``, whose eigenvalues and Frobenius norm are exactly ``X``'s, so the transpose
+    changes nothing in the certificate of :func:`lambda_max`.  (A computed ``X`` may depart from
+    symmetry by the rounding of the products that formed it, ``O(u ||X||)``: the order of the
+    recurrence's own rounding term, with either orientation.)"""
     B, d = X.shape[0], X.shape[-1]
     k = max(1, min(int(steps), d))
     Q = X.new_zeros(B, k, d)
     alpha, beta = X.new_zeros(B, k), X.new_zeros(B, k)
-    q = X.new_full((B, d), d ** -0.5)
+    q = X.new_full((B, 1, d), d ** -0.5)
     for j in range(k):
-        Q[:, j] = q
-        w = (X * q[:, None, :]).sum(-1)  # A q, elementwise (a batched GEMV costs more per matrix)
-        alpha[:, j] = (w * q).sum(-1)
+        Q[:, j:j + 1] = q
+        w = torch.bmm(q, X)  # (B, 1, d): q^T X
+        alpha[:, j] = (w * q).sum((-1, -2))
         Qj = Q[:, :j + 1]
-        for _ in range(2):
-            w = w - ((Qj * w[:, None, :]).sum(-1, keepdim=True) * Qj).sum(1)
-        beta[:, j] = torch.linalg.vector_norm(w, dim=-1)
-        q = torch.where(beta[:, j:j + 1] > 0, w / beta[:, j:j + 1].clamp_min(1e-300), 0.0)
+        for _ in range(2):  # w - (w Q_j^T) Q_j
+            w = torch.baddbmm(w, torch.bmm(w, Qj.transpose(1, 2)), Qj, alpha=-1.0)
+        nrm = torch.linalg.vector_norm(w, dim=-1, keepdim=True)  # (B, 1, 1)
+        beta[:, j] = nrm[:, 0, 0]
+        q = torch.where(nrm > 0, w / nrm.clamp_min(1e-300), 0.0)
     return alpha, beta
 
 
