@@ -140,4 +140,87 @@ def test_the_counted_steps_are_the_steps_taken():
     ``fast.lambda_max`` takes."""
     from ropestep import cost
     assert cost.LANCZOS_STEPS == fast.LANCZOS_STEPS
+    assert cost.ATLAS_LANCZOS_STEPS == fast.LANCZOS_STEPS_STARTED
     assert cost.lambda_max_flops(64) == 96152
+    assert cost.lambda_max_flops(64, 5, started=True) == 58816
+
+
+def test_start_vectors():
+    """``start=``: the certificate holds for any start vector.  Near the top eigenvector five
+    steps certify what five from the all-ones vector cannot (and a start that is exactly an
+    eigenvector, where the steps break down at once, is still decided by the certificate); the blind start's mirror image of
+    the all-ones vector (orthogonal to its top eigenvector) is caught by the certificate and
+    falls back; a zero or non-finite start is the all-ones vector's; a start of the wrong shape
+    is refused.  Every value agrees with ``eigvalsh``."""
+    rng = np.random.default_rng(11)
+    names = ("decaying-64", "steep-64", "gram-64", "blind-start-64", "double-top-64")
+    A = torch.stack([CASES[n] for n in names])
+    ref = torch.linalg.eigvalsh(A)[:, -1]
+    top = torch.linalg.eigh(A)[1][..., -1]  # (5, d)
+    near = top + 1e-6 * torch.tensor(rng.standard_normal(top.shape))  # ~1e-6 off the top vector
+    k = fast.LANCZOS_STEPS_STARTED
+    st_ones, st_near = {}, {}
+    got_ones = fast.lambda_max(A, k, stats=st_ones)
+    got_near = fast.lambda_max(A, k, start=near, stats=st_near)
+    assert bool((got_near - ref).abs().le(_tol(ref)).all())
+    assert bool((got_ones - ref).abs().le(_tol(ref)).all())
+    # from the all-ones vector k steps certify only the Gram matrix; from near the top vector
+    # all but the double top eigenvalue, which is never certified, whatever the start
+    assert st_ones["fallbacks"] == 4 and st_near["fallbacks"] == 1, (st_ones, st_near)
+    blind = torch.ones(1, 64, dtype=torch.float64)  # keeps the mirror rows equal: blind
+    st: dict = {}
+    got = fast.lambda_max(CASES["blind-start-64"][None], start=blind, stats=st)
+    assert st["fallbacks"] == 1 and abs(float(got[0]) - 10.0) <= 1e-12
+    exact_top = top[3:4]  # blind-start-64's own top eigenvector: beta_1 = 0, the steps stop
+    got = fast.lambda_max(CASES["blind-start-64"][None], start=exact_top)
+    assert abs(float(got[0]) - 10.0) <= 1e-12
+    bad = near.clone()
+    bad[0] = 0.0
+    bad[1, 3] = math.nan
+    bad[2, 5] = math.inf
+    got_bad = fast.lambda_max(A, start=bad)
+    plain = fast.lambda_max(A)
+    assert torch.equal(got_bad[:3], plain[:3])  # replaced by the all-ones start, bit for bit
+    with pytest.raises(ValueError, match="start vectors of shape"):
+        fast.lambda_max(A, start=near[:, :-1])
+    with pytest.raises(ValueError, match="start vectors of shape"):
+        fast.lambda_max(A, start=near[:4])
+
+
+def test_the_atlas_starts_its_lanczos_steps(monkeypatch):
+    """The atlas passes ``fast.LANCZOS_STEPS_STARTED`` steps (the count of ``cost``) and start
+    vectors ``g_i = sum_j c_ij k~_j`` (and ``B_i^T g_i``) that lie near the top eigenvectors
+    when the keys share a direction, as a trained model's do (here a key bias): each start's
+    Rayleigh quotient is within 10% of ``lambda_max``, and far fewer matrices fall back to LAPACK
+    than from the all-ones vector in as many steps."""
+    from dataclasses import replace
+
+    from ropestep import atlas
+    from test_atlas import N, layer
+    calls: list = []
+    ones: dict = {}
+    real = fast.lambda_max
+
+    def spy(A, steps=fast.LANCZOS_STEPS, *, start=None, stats=None):
+        st: dict = {}
+        out = real(A, steps, start=start, stats=st)
+        calls.append((A.clone(), steps, None if start is None else start.clone(), st))
+        real(A, steps, stats=ones)
+        return out
+
+    monkeypatch.setattr(atlas.fast, "lambda_max", spy)
+    spec, w, x = layer(seed=3, d=16)
+    w = replace(w, b_k=torch.full_like(torch.as_tensor(w.b_k), 8.0))
+    atlas.evaluate_layer(spec, w, x, torch.arange(N), torch.zeros(N, spec.n_heads, spec.r,
+                                                                   dtype=torch.float64))
+    assert calls
+    started = sum(st["fallbacks"] for *_, st in calls)
+    assert 4 * started <= ones["fallbacks"], (started, ones)
+    for A, steps, start, _st in calls:
+        assert steps == fast.LANCZOS_STEPS_STARTED and start is not None
+        d = A.shape[-1]
+        X, v = A.reshape(-1, d, d), start.reshape(-1, d)
+        v = v / v.norm(dim=-1, keepdim=True)
+        rq = (v[:, None, :] @ X @ v[:, :, None])[:, 0, 0]
+        lam = torch.linalg.eigvalsh(X)[:, -1]
+        assert bool((rq >= 0.9 * lam).all()), float((rq / lam).min())

@@ -58,13 +58,16 @@ def test_counts_by_brute_force():
     N, d, r, m, H, Hk = 37, 8, 6, 20, 4, 2
     for window in (None, 5):
         n = [min(i + 1, window or N) for i in range(N)]
-        lam = cost.lambda_max_flops(d)  # d = 8 = k: eight full Lanczos steps
-        assert lam == 8 * (2 * 64 + 32) + 4 * 8 * 8 * 9 + 2 * 64 + 8 / 3 * 729
+        # the atlas's five Lanczos steps from a start vector (d = 8 > 5), its norm 2d
+        lam = cost.lambda_max_flops(d, cost.ATLAS_LANCZOS_STEPS, started=True)
+        assert lam == 5 * (2 * 64 + 32) + 4 * 8 * 5 * 6 + 2 * 64 + 8 / 3 * 216 + 16
         streamed = H * sum(2 * k * d + 2 * k * d * r + 2 * k * r for k in n)
-        # query space: G T (2 d^2 r), <T, G T> and ||T||^2 (2 d r each)
-        step = H * sum(2 * k * d * d + lam + 2 * d * d * r + 4 * d * r for k in n)
-        # input space: Y = B^T T and M Y (2 d^2 r each), <Y, M Y> and ||Y||^2
-        inp = H * N * (4 * d ** 3 + lam + 4 * d * d * r + 4 * d * r)
+        # query space: G (2 k d^2), the start g = sum_j c_j k_j (2 k d), G T (2 d^2 r),
+        # <T, G T> and ||T||^2 (2 d r each)
+        step = H * sum(2 * k * d * d + 2 * k * d + lam + 2 * d * d * r + 4 * d * r for k in n)
+        # input space: M (4 d^3), its start B^T g (2 d^2), Y = B^T T and M Y (2 d^2 r each),
+        # <Y, M Y> and ||Y||^2
+        inp = H * N * (4 * d ** 3 + 2 * d * d + lam + 4 * d * d * r + 4 * d * r)
         reuse = H * N * (2 * (m + 1) * d + 2 * d * r)
         got = cost.atlas_flops(N=N, d=d, r=r, m=m, H=H, H_kv=Hk, window=window)
         assert got["lowp_maxkey"] == got["float64_maxkey"] == streamed

@@ -255,7 +255,8 @@ def _pass_original(ch, L64, arr, nat, vscale, sc, Ah, q_unrot, anchors, anchor_e
         # the unit step's quadratic test reads, with Y_i = B_i^T T_i,  0.5 <Y, M Y> > <Y, Y>
         # (docs/math.md section 3; L_i^T L_i = R_i A_h R_i^T = B_i B_i^T).  G and M of the
         # chunk share one buffer, so that one lambda_max call certifies both; the products run
-        # one head at a time (d x d operands that stay in cache)
+        # one head at a time (d x d operands that stay in cache).  The Lanczos steps start from
+        # g_i = sum_j c_ij k~_j (the keys' common direction dominates G_i) and B_i^T g_i for M_i
         shape = (1 if Ah is None else 2, G_, Qc, d, d)
         if shape not in work.descent:
             work.descent[shape] = s.new_empty(shape)
@@ -263,19 +264,22 @@ def _pass_original(ch, L64, arr, nat, vscale, sc, Ah, q_unrot, anchors, anchor_e
         if work.group != g:  # vec(k~_j^T k~_j) of the group's keys, once per group
             work.group, work.outer = g, fast.key_outer(L64.k[g])
         Gm = fast.gram(c, None, outer=work.outer[:n], out=sym[0])  # (G, Qc, d, d)
+        start = s.new_empty(shape[:-1])  # (spaces, G, Qc, d)
+        torch.matmul(c, L64.k[g][:n], out=start[0])
         cbh, sbh = cb.expand(G_, -1, -1), sb.expand(G_, -1, -1)  # a group's rows, or its heads'
         for gi, h in enumerate(hs):
             arr["inc_query"][h, qi] = (fast.query_step_change(Gm[gi], t[gi], sc[h]) > 0).double()
             if Ah is not None:
                 Bt = apply_rope(Ah[h][None], cbh[gi][:, None, :], sbh[gi][:, None, :], lay)
                 M = torch.matmul(Bt @ Gm[gi], Bt.transpose(-1, -2), out=sym[1, gi])
+                torch.matmul(Bt, start[0, gi, :, :, None], out=start[1, gi, :, :, None])
                 Y = Bt @ t[gi]  # (Qc, d, r)
                 inc = 0.5 * (Y * (M @ Y)).sum((-1, -2)) > (Y * Y).sum((-1, -2))
                 arr["inc_input"][h, qi] = inc.double()
         if Ah is None:  # one certified lambda_max call: G's, then M's
-            (lam_q,) = fast.lambda_max(sym)
+            (lam_q,) = fast.lambda_max(sym, fast.LANCZOS_STEPS_STARTED, start=start)
         else:
-            lam_q, lam_in = fast.lambda_max(sym)
+            lam_q, lam_in = fast.lambda_max(sym, fast.LANCZOS_STEPS_STARTED, start=start)
             arr["lam_input"][h0:h1, qi] = lam_in
         arr["lam_query"][h0:h1, qi] = fast.query_lambda(lam_q, sc[hs][:, None])
     # frozen reuse: anchors of this chunk first, then every query of the chunk

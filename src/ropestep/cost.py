@@ -21,17 +21,21 @@ import torch
 
 PHASES = ("project", "float64_original", "lowp_maxkey", "float64_maxkey")
 LANCZOS_STEPS = 8  # fast.LANCZOS_STEPS (tests/test_lambda_max.py checks that they agree)
+ATLAS_LANCZOS_STEPS = 5  # fast.LANCZOS_STEPS_STARTED: the atlas's steps from its start vectors
 
 
-def lambda_max_flops(d: int, k: int = LANCZOS_STEPS) -> float:
+def lambda_max_flops(d: int, k: int = LANCZOS_STEPS, started: bool = False) -> float:
     """Operations of one certified ``lambda_max`` of a ``d x d`` matrix (``fast.lambda_max``):
     ``k`` Lanczos steps, each a matrix-vector product ``2 d^2``, its Rayleigh coefficient
     ``2d``, the residual norm ``2d`` and two reorthogonalisations against the ``j`` basis
     vectors so far (``2 * 4 d j``), so ``k (2 d^2 + 4 d) + 4 d k (k + 1)``; the Frobenius norm
-    ``2 d^2``; the two ``(k+1) x (k+1)`` eigenvalue problems ``2 * 4/3 (k+1)^3``.  (The rare
-    uncertified matrix's LAPACK fallback is not counted: the floor is the certified path.)"""
+    ``2 d^2``; the two ``(k+1) x (k+1)`` eigenvalue problems ``2 * 4/3 (k+1)^3``; with a
+    caller's start vector (``started``) its norm ``2d`` (the vector itself is the caller's
+    count).  (The rare uncertified matrix's LAPACK fallback is not counted: the floor is the
+    certified path.)"""
     k = min(int(k), int(d))
-    return k * (2 * d * d + 4 * d) + 4 * d * k * (k + 1) + 2 * d * d + 8 / 3 * (k + 1) ** 3
+    return (k * (2 * d * d + 4 * d) + 4 * d * k * (k + 1) + 2 * d * d + 8 / 3 * (k + 1) ** 3
+            + (2 * d if started else 0))
 
 
 def prefix_sums(N: int, window: int | None) -> tuple[int, int]:
@@ -51,22 +55,24 @@ def atlas_flops(*, N: int, d: int, r: int, m: int, H: int, H_kv: int, affine: bo
     * every streamed pass: scores ``2 n d``, the coefficient-weighted sum ``T_i``
       (``sum_j c_ij k^_j v^_j^T``, one GEMM row) ``2 n d r``, the output ``2 n r``;
     * the float64 original-gauge pass besides (unless the scores are soft-capped, where the
-      step statistics are not defined): the Gram matrix ``G_i`` ``2 n d^2``, its largest
-      eigenvalue :func:`lambda_max_flops`, the step's quadratic test in query space
-      ``2 d^2 r + 4 d r`` (``G_i T_i``, then ``<T, G T>`` and ``||T||^2``); on affine heads the
-      input-space problem ``M_i = B_i^T G_i B_i`` ``4 d^3``, its largest eigenvalue, the test
-      ``4 d^2 r + 4 d r`` (``Y_i = B_i^T T_i``, ``M_i Y_i``, ``<Y, M Y>``, ``||Y||^2``); frozen
-      reuse ``2 (m + 1) d + 2 d r``;
+      step statistics are not defined): the Gram matrix ``G_i`` ``2 n d^2``, the start
+      vector of its Lanczos steps ``g_i = sum_j c_ij k~_j`` ``2 n d``, its largest eigenvalue
+      :func:`lambda_max_flops` (``ATLAS_LANCZOS_STEPS`` steps, started), the step's quadratic
+      test in query space ``2 d^2 r + 4 d r`` (``G_i T_i``, then ``<T, G T>`` and ``||T||^2``);
+      on affine heads the input-space problem ``M_i = B_i^T G_i B_i`` ``4 d^3``, its start
+      vector ``B_i^T g_i`` ``2 d^2``, its largest eigenvalue, the test ``4 d^2 r + 4 d r``
+      (``Y_i = B_i^T T_i``, ``M_i Y_i``, ``<Y, M Y>``, ``||Y||^2``); frozen reuse
+      ``2 (m + 1) d + 2 d r``;
     * the projections, once per item: ``2 N (m + 1) (H d + H_kv d + H_kv r)``.
     """
     S, Q = prefix_sums(N, window)
     streamed = H * (2 * S * d + 2 * S * d * r + 2 * S * r)
     extra = 0.0
     if not softcap:
-        lam = lambda_max_flops(d)
-        extra += H * (2 * S * d * d + Q * (lam + 2 * d * d * r + 4 * d * r))
+        lam = lambda_max_flops(d, ATLAS_LANCZOS_STEPS, started=True)
+        extra += H * (2 * S * d * d + 2 * S * d + Q * (lam + 2 * d * d * r + 4 * d * r))
         if affine:
-            extra += H * Q * (4 * d ** 3 + lam + 4 * d * d * r + 4 * d * r)
+            extra += H * Q * (4 * d ** 3 + 2 * d * d + lam + 4 * d * d * r + 4 * d * r)
     extra += H * Q * (2 * (m + 1) * d + 2 * d * r)
     return {"project": 2.0 * N * (m + 1) * (H * d + H_kv * d + H_kv * r),
             "float64_original": float(streamed + extra),

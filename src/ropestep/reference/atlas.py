@@ -524,8 +524,9 @@ def counted_flops(manifest: dict) -> dict[str, float]:
     sizes: per head and query ``i`` with ``n = i + 1`` keys, ``2nd + 2ndr + 2nr`` in each
     streamed pass; in the float64 original-gauge pass besides ``2nd^2 + l + 2 d^2 r + 4 d r`` and
     (affine heads) ``4 d^3 + l + 4 d^2 r + 4 d r``, and ``2(m+1)d + 2dr`` for frozen reuse, with ``l``
-    the certified largest eigenvalue's ``k(2d^2 + 4d) + 4dk(k+1) + 2d^2 + 8/3 (k+1)^3`` at the
-    section's ``k = 8`` Lanczos steps (``min(k, d)``); the projections
+    the certified largest eigenvalue's ``k(2d^2 + 4d) + 4dk(k+1) + 2d^2 + 8/3 (k+1)^3 + 2d`` at
+    the section's ``k = 5`` Lanczos steps (``min(k, d)``) from a start vector (``2nd`` for
+    ``g_i``, ``2d^2`` for ``B_i^T g_i``); the projections
     ``2N(m+1)(Hd + H_kv d + H_kv r)`` once per item.  Plain causal heads only (the atlas
     reference covers no window or soft-cap)."""
     N = int(manifest["config"]["length"])
@@ -535,12 +536,13 @@ def counted_flops(manifest: dict) -> dict[str, float]:
         d, r, m, H, Hk = (f[k] for k in ("head_dim", "r", "hidden", "n_heads", "n_kv_heads"))
         per_query_keys = sum(i + 1 for i in range(N))
         streamed = H * per_query_keys * (2 * d + 2 * d * r + 2 * r)
-        k = min(8, d)  # the documented Lanczos steps
+        k = min(5, d)  # the documented Lanczos steps, from a start vector (its norm: 2d)
         lam = k * (2 * d * d + 4 * d) + 4 * d * k * (k + 1) + 2 * d * d + 8 * (k + 1) ** 3 / 3
-        original = streamed + H * per_query_keys * 2 * d * d
+        lam += 2 * d
+        original = streamed + H * per_query_keys * (2 * d * d + 2 * d)  # G_i and g_i
         original += H * N * (lam + 2 * d * d * r + 4 * d * r)
-        if f["family"] == "dot":
-            original += H * N * (4 * d ** 3 + lam + 4 * d * d * r + 4 * d * r)
+        if f["family"] == "dot":  # M_i, B_i^T g_i, lambda_max, the test
+            original += H * N * (4 * d ** 3 + 2 * d * d + lam + 4 * d * d * r + 4 * d * r)
         original += H * N * (2 * (m + 1) * d + 2 * d * r)
         out["project"] += 2 * N * (m + 1) * (H * d + Hk * d + Hk * r)
         out["float64_original"] += original
