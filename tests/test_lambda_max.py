@@ -104,7 +104,7 @@ def test_the_certificate_decides():
                          ("blind-start-64", 1), ("double-top-64", 1), ("flat-64", 1)):
         st: dict = {}
         fast.lambda_max(CASES[name], stats=st)
-        assert st == {"matrices": 1, "fallbacks": expect}, (name, st)
+        assert st == {"matrices": 1, "retried": 0, "fallbacks": expect}, (name, st)
 
 
 def test_dropping_the_unexplored_part_is_caught(monkeypatch):
@@ -201,10 +201,10 @@ def test_the_atlas_starts_its_lanczos_steps(monkeypatch):
     ones: dict = {}
     real = fast.lambda_max
 
-    def spy(A, steps=fast.LANCZOS_STEPS, *, start=None, stats=None):
+    def spy(A, steps=fast.LANCZOS_STEPS, *, start=None, retry=None, stats=None):
         st: dict = {}
         out = real(A, steps, start=start, stats=st)
-        calls.append((A.clone(), steps, None if start is None else start.clone(), st))
+        calls.append((A.clone(), steps, None if start is None else start.clone(), st, retry))
         real(A, steps, stats=ones)
         return out
 
@@ -214,13 +214,49 @@ def test_the_atlas_starts_its_lanczos_steps(monkeypatch):
     atlas.evaluate_layer(spec, w, x, torch.arange(N), torch.zeros(N, spec.n_heads, spec.r,
                                                                    dtype=torch.float64))
     assert calls
-    started = sum(st["fallbacks"] for *_, st in calls)
+    started = sum(c[3]["fallbacks"] for c in calls)
     assert 4 * started <= ones["fallbacks"], (started, ones)
-    for A, steps, start, _st in calls:
+    for A, steps, start, _st, retry in calls:
         assert steps == fast.LANCZOS_STEPS_STARTED and start is not None
+        assert retry == fast.LANCZOS_STEPS
         d = A.shape[-1]
         X, v = A.reshape(-1, d, d), start.reshape(-1, d)
         v = v / v.norm(dim=-1, keepdim=True)
         rq = (v[:, None, :] @ X @ v[:, :, None])[:, 0, 0]
         lam = torch.linalg.eigvalsh(X)[:, -1]
         assert bool((rq >= 0.9 * lam).all()), float((rq / lam).min())
+
+
+def test_retry_takes_more_steps_before_lapack():
+    """``retry=``: the matrices ``steps`` Lanczos steps do not certify get ``retry`` steps from
+    the same start, and only those that still do not certify reach LAPACK; the values agree
+    with ``eigvalsh`` either way, and a ``retry`` not above ``steps`` is no second pass."""
+    names = ("decaying-64", "steep-64", "gram-64", "double-top-64")
+    A = torch.stack([CASES[n] for n in names])
+    ref = torch.linalg.eigvalsh(A)[:, -1]
+    st: dict = {}
+    got = fast.lambda_max(A, 3, retry=fast.LANCZOS_STEPS, stats=st)
+    assert bool((got - ref).abs().le(_tol(ref)).all())
+    # 3 steps certify only the Gram matrix; 8 more the steep spectrum, not the slowly decaying
+    # one (lambda_2/lambda_1 = 0.74) or the double top eigenvalue
+    assert st == {"matrices": 4, "retried": 3, "fallbacks": 2}, st
+    for retry in (None, 3, 2):
+        st = {}
+        fast.lambda_max(A, 3, retry=retry, stats=st)
+        assert st == {"matrices": 4, "retried": 0, "fallbacks": 3}, (retry, st)
+
+
+def test_a_continued_recurrence_is_the_longer_one():
+    """The retry continues the first steps' recurrence: 3 steps and then 5 more give the
+    coefficients of 8 steps from the same start, bit for bit, so a retried value is the value
+    ``retry`` steps would have given."""
+    A = torch.stack([CASES[n] for n in ("decaying-64", "steep-64", "gram-64")])
+    start = torch.linspace(1.0, 2.0, 64, dtype=torch.float64).expand(3, 64).clone()
+    a8, b8, Q8, q8 = fast._lanczos(A, 8, start)
+    first = fast._lanczos(A, 3, start)
+    a, b, Q, q = fast._lanczos(A, 8, None, first)
+    assert torch.equal(a, a8) and torch.equal(b, b8) and torch.equal(Q, Q8) and torch.equal(q, q8)
+    lo8, hi8, _ = fast._interval(A, 8, start)
+    lo3, hi3, state = fast._interval(A, 3, start)
+    lo, hi, _ = fast._interval(A, 8, state=state)
+    assert torch.equal(lo, lo8) and torch.equal(hi, hi8) and not torch.equal(lo3, lo8)

@@ -277,9 +277,11 @@ def _pass_original(ch, L64, arr, nat, vscale, sc, Ah, q_unrot, anchors, anchor_e
                 inc = 0.5 * (Y * (M @ Y)).sum((-1, -2)) > (Y * Y).sum((-1, -2))
                 arr["inc_input"][h, qi] = inc.double()
         if Ah is None:  # one certified lambda_max call: G's, then M's
-            (lam_q,) = fast.lambda_max(sym, fast.LANCZOS_STEPS_STARTED, start=start)
+            (lam_q,) = fast.lambda_max(sym, fast.LANCZOS_STEPS_STARTED, start=start,
+                                       retry=fast.LANCZOS_STEPS)
         else:
-            lam_q, lam_in = fast.lambda_max(sym, fast.LANCZOS_STEPS_STARTED, start=start)
+            lam_q, lam_in = fast.lambda_max(sym, fast.LANCZOS_STEPS_STARTED, start=start,
+                                            retry=fast.LANCZOS_STEPS)
             arr["lam_input"][h0:h1, qi] = lam_in
         arr["lam_query"][h0:h1, qi] = fast.query_lambda(lam_q, sc[hs][:, None])
     # frozen reuse: anchors of this chunk first, then every query of the chunk

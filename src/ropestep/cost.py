@@ -31,8 +31,8 @@ def lambda_max_flops(d: int, k: int = LANCZOS_STEPS, started: bool = False) -> f
     vectors so far (``2 * 4 d j``), so ``k (2 d^2 + 4 d) + 4 d k (k + 1)``; the Frobenius norm
     ``2 d^2``; the two ``(k+1) x (k+1)`` eigenvalue problems ``2 * 4/3 (k+1)^3``; with a
     caller's start vector (``started``) its norm ``2d`` (the vector itself is the caller's
-    count).  (The rare uncertified matrix's LAPACK fallback is not counted: the floor is the
-    certified path.)"""
+    count).  (A matrix the steps do not certify -- retried with more steps, then LAPACK's full
+    spectrum -- is not counted beyond them: the floor is the certified path.)"""
     k = min(int(k), int(d))
     return (k * (2 * d * d + 4 * d) + 4 * d * k * (k + 1) + 2 * d * d + 8 / 3 * (k + 1) ** 3
             + (2 * d if started else 0))

@@ -378,12 +378,14 @@ LANCZOS_STEPS = 8  # Krylov dimension of lambda_max: on SmolLM2's matrices (4 la
 # queries, both spaces) 8 steps certify all but 65 of 36,864; fewer steps leave many to LAPACK
 LANCZOS_BLOCK = 128  # matrices per block of lambda_max (8 MiB of 64 x 64 float64 operands)
 LANCZOS_STEPS_STARTED = 5  # the steps from start vectors near the top eigenvectors (the atlas's
-# c-weighted key sums): on Qwen2.5's layers 0/5/12/23 (19,712 matrices, both spaces) 5 steps
-# certify all but 13, against 3,960 left by 5 steps from the all-ones vector
+# c-weighted key sums), retried with LANCZOS_STEPS where they do not certify: on Qwen2.5's layers
+# 0/5/12/23 (19,712 matrices, both spaces) 5 steps certify all but 13 (5 from the all-ones vector:
+# all but 3,960); on SmolLM2's layers 0/8/18/29 (36,864) all but 10,446 (ones: 30,296), and 8
+# steps from the same start all but 1 (8 from the all-ones vector: all but 147)
 
 
 def lambda_max(A: torch.Tensor, steps: int = LANCZOS_STEPS, *, start: torch.Tensor | None = None,
-               stats: dict | None = None) -> torch.Tensor:
+               retry: int | None = None, stats: dict | None = None) -> torch.Tensor:
     """Largest eigenvalue of symmetric positive semidefinite matrices ``A (..., d, d)``, each
     certified to a relative interval of width at most ``tolerances.LAMBDA_CERT_REL``
     (docs/math.md section 3, "lambda_max without the spectrum").
@@ -401,12 +403,13 @@ def lambda_max(A: torch.Tensor, steps: int = LANCZOS_STEPS, *, start: torch.Tens
     (for ``x = (x_1, x_2)``, ``x^T A x`` is at most the bordered matrix's quadratic form at
     ``(x_1, +-||x_2||)``).  Both ends are eigenvalues of ``(k+1) x (k+1)`` matrices.  Where the
     interval is wider than ``LAMBDA_CERT_REL`` times ``theta`` (a start vector blind to the top
-    eigenvector, a top eigenvalue of multiplicity > 1, a flat spectrum), the value comes from
-    LAPACK's full spectrum (``torch.linalg.eigvalsh``) instead.  The interval's ends carry the
+    eigenvector, a top eigenvalue of multiplicity > 1, a flat spectrum), its recurrence is
+    continued to ``retry`` steps in all (when ``retry > steps``), and where that does not certify
+    either, the value comes from LAPACK's full spectrum (``torch.linalg.eigvalsh``).  The interval's ends carry the
     Lanczos recurrence's rounding, ``O(k u ||A||)`` (backward stable with full
     reorthogonalisation), the order of ``eigvalsh``'s own.  The certificate holds for any start
     vector: a better one (near the top eigenvector) only lets fewer steps certify.  ``stats`` (a
-    dict) receives the number of matrices and of fallbacks."""
+    dict) receives the numbers of matrices, of retried ones and of fallbacks to LAPACK."""
     from .tolerances import LAMBDA_CERT_REL
     d = A.shape[-1]
     X = A.reshape(-1, d, d)
@@ -416,28 +419,52 @@ def lambda_max(A: torch.Tensor, steps: int = LANCZOS_STEPS, *, start: torch.Tens
             raise ValueError(f"lambda_max: start vectors of shape {tuple(start.shape)} for "
                              f"matrices of shape {tuple(A.shape)} (expected {tuple(A.shape[:-1])})")
         S = start.reshape(-1, d)
-    lo, hi = X.new_empty(X.shape[0]), X.new_empty(X.shape[0])
-    for b0 in range(0, X.shape[0], LANCZOS_BLOCK):  # blocks that stay in cache
-        Xb = X[b0:b0 + LANCZOS_BLOCK]
-        alpha, beta = _lanczos(Xb, steps, None if S is None else S[b0:b0 + LANCZOS_BLOCK])
-        tk2 = (alpha * alpha).sum(-1) + 2 * (beta[:, :-1] * beta[:, :-1]).sum(-1)
-        bk = beta[:, -1]
-        tail = ((Xb * Xb).sum((-1, -2)) - tk2 - 2 * bk * bk).clamp_min(0).sqrt()
-        lo[b0:b0 + LANCZOS_BLOCK], hi[b0:b0 + LANCZOS_BLOCK] = _ends(alpha, beta, tail)
-    bad = ~(hi - lo <= LAMBDA_CERT_REL * lo)  # NaN or a wide interval: the full spectrum
-    if bool(bad.any()):
+    lo, hi, state = _interval(X, steps, S)
+    bad = ~(hi - lo <= LAMBDA_CERT_REL * lo)  # NaN or a wide interval
+    retried = 0
+    if retry is not None and int(retry) > int(steps) and bool(bad.any()):  # more steps first
+        idx = bad.nonzero()[:, 0]
+        lo[idx], hi[idx], _ = _interval(X[idx], int(retry), state=tuple(s[idx] for s in state))
+        retried = int(idx.numel())
+        bad = ~(hi - lo <= LAMBDA_CERT_REL * lo)
+    if bool(bad.any()):  # the full spectrum
         lo[bad] = torch.linalg.eigvalsh(X[bad])[:, -1]
     if stats is not None:
         stats["matrices"] = stats.get("matrices", 0) + X.shape[0]
+        stats["retried"] = stats.get("retried", 0) + retried
         stats["fallbacks"] = stats.get("fallbacks", 0) + int(bad.sum())
     return lo.reshape(A.shape[:-2])
 
 
-def _lanczos(X: torch.Tensor, steps: int, start: torch.Tensor | None = None
-             ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(alpha, beta)`` of ``k = min(steps, d)`` Lanczos steps on every matrix of ``X (B, d, d)``
-    from the rows of ``start (B, d)`` (the all-ones vector where it is None, zero or not finite),
-    with full reorthogonalisation (twice: "twice is enough").
+def _interval(X: torch.Tensor, steps: int, S: torch.Tensor | None = None,
+              state: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor, tuple]:
+    """The certified interval ``[lambda_max(T_k), lambda_max(T^_k)]`` of every matrix of
+    ``X (B, d, d)`` after ``steps`` Lanczos steps from the rows of ``S`` (:func:`lambda_max`), or
+    continuing the recurrences of ``state`` (a previous call's on the same matrices), in blocks of
+    ``LANCZOS_BLOCK`` matrices that stay in cache; and the recurrences' state."""
+    lo, hi = X.new_empty(X.shape[0]), X.new_empty(X.shape[0])
+    parts = []
+    for b0 in range(0, X.shape[0], LANCZOS_BLOCK):
+        sl = slice(b0, b0 + LANCZOS_BLOCK)
+        Xb = X[sl]
+        rec = _lanczos(Xb, steps, None if S is None else S[sl],
+                       None if state is None else tuple(s[sl] for s in state))
+        alpha, beta = rec[0], rec[1]
+        tk2 = (alpha * alpha).sum(-1) + 2 * (beta[:, :-1] * beta[:, :-1]).sum(-1)
+        bk = beta[:, -1]
+        tail = ((Xb * Xb).sum((-1, -2)) - tk2 - 2 * bk * bk).clamp_min(0).sqrt()
+        lo[sl], hi[sl] = _ends(alpha, beta, tail)
+        parts.append(rec)
+    return lo, hi, tuple(torch.cat(p) for p in zip(*parts))
+
+
+def _lanczos(X: torch.Tensor, steps: int, start: torch.Tensor | None = None,
+             state: tuple | None = None) -> tuple[torch.Tensor, ...]:
+    """``(alpha, beta, Q, q)`` of ``k = min(steps, d)`` Lanczos steps on every matrix of
+    ``X (B, d, d)`` from the rows of ``start (B, d)`` (the all-ones vector where it is None, zero
+    or not finite), with full reorthogonalisation (twice: "twice is enough"): the coefficients
+    ``(B, k)``, the basis ``Q (B, k, d)`` and the next vector ``q (B, 1, d)``.  With ``state``
+    (a previous call's four, on the same matrices) the recurrence continues from its step.
 
     The vectors are rows ``(B, 1, d)``: the product is ``q^T X`` (one batched row-times-matrix
     ``bmm``, faster on CPU than ``X q`` or an element-wise product and sum), i.e. the recurrence
@@ -447,14 +474,18 @@ def _lanczos(X: torch.Tensor, steps: int, start: torch.Tensor | None = None
     recurrence's own rounding term, with either orientation.)"""
     B, d = X.shape[0], X.shape[-1]
     k = max(1, min(int(steps), d))
+    j0 = 0 if state is None else int(state[0].shape[1])
     Q = X.new_zeros(B, k, d)
     alpha, beta = X.new_zeros(B, k), X.new_zeros(B, k)
-    q = X.new_full((B, 1, d), d ** -0.5)
-    if start is not None:
+    if state is not None:
+        alpha[:, :j0], beta[:, :j0], Q[:, :j0], q = state
+    else:
+        q = X.new_full((B, 1, d), d ** -0.5)
+    if start is not None and state is None:
         nrm = torch.linalg.vector_norm(start, dim=-1, keepdim=True)  # (B, 1)
         ok = (nrm > 0) & torch.isfinite(nrm)
         q = torch.where(ok, start / torch.where(ok, nrm, 1.0), d ** -0.5)[:, None, :]
-    for j in range(k):
+    for j in range(j0, k):
         Q[:, j:j + 1] = q
         w = torch.bmm(q, X)  # (B, 1, d): q^T X
         alpha[:, j] = (w * q).sum((-1, -2))
@@ -464,7 +495,7 @@ def _lanczos(X: torch.Tensor, steps: int, start: torch.Tensor | None = None
         nrm = torch.linalg.vector_norm(w, dim=-1, keepdim=True)  # (B, 1, 1)
         beta[:, j] = nrm[:, 0, 0]
         q = torch.where(nrm > 0, w / nrm.clamp_min(1e-300), 0.0)
-    return alpha, beta
+    return alpha, beta, Q, q
 
 
 def _ends(alpha: torch.Tensor, beta: torch.Tensor, tail: torch.Tensor
