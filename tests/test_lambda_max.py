@@ -187,12 +187,14 @@ def test_start_vectors():
         fast.lambda_max(A, start=near[:4])
 
 
-def test_the_atlas_starts_its_lanczos_steps(monkeypatch):
+@pytest.mark.parametrize("family", ["dot", "qknorm"])
+def test_the_atlas_starts_its_lanczos_steps(monkeypatch, family):
     """The atlas passes ``fast.LANCZOS_STEPS_STARTED`` steps (the count of ``cost``) and start
     vectors ``g_i = sum_j c_ij k~_j`` (and ``B_i^T g_i``) that lie near the top eigenvectors
     when the keys share a direction, as a trained model's do (here a key bias): each start's
     Rayleigh quotient is within 10% of ``lambda_max``, and far fewer matrices fall back to LAPACK
-    than from the all-ones vector in as many steps."""
+    than from the all-ones vector in as many steps.  Both the affine heads' call (``G_i`` and
+    ``M_i``) and the query-space-only heads' (QK-norm: ``G_i`` alone)."""
     from dataclasses import replace
 
     from ropestep import atlas
@@ -210,7 +212,11 @@ def test_the_atlas_starts_its_lanczos_steps(monkeypatch):
 
     monkeypatch.setattr(atlas.fast, "lambda_max", spy)
     spec, w, x = layer(seed=3, d=16)
+    spec = replace(spec, family=family)
     w = replace(w, b_k=torch.full_like(torch.as_tensor(w.b_k), 8.0))
+    if family == "qknorm":
+        w = replace(w, q_norm=torch.ones(16, dtype=torch.float64),
+                    k_norm=torch.ones(16, dtype=torch.float64))
     atlas.evaluate_layer(spec, w, x, torch.arange(N), torch.zeros(N, spec.n_heads, spec.r,
                                                                    dtype=torch.float64))
     assert calls

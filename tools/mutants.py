@@ -114,10 +114,12 @@ MUTMUT_PARTS: dict[str, dict[str, Any]] = {
         # the fast subset: a frozen tiny run's items measured and pooled against the reference
         # (tests/test_atlas_summaries.py, seconds), the committed reports re-rendered and their
         # figures described; the whole-run comparison (test_reference_atlas) re-runs a model
-        # per mutant and checks the same leaves
+        # per mutant and checks the same leaves; the Lanczos steps' start vectors, step counts
+        # and retry (a wrong one changes no certified value, only the work) in test_lambda_max
         "pytest_add_cli_args_test_selection": [
             "tests/test_atlas_summaries.py", "tests/test_committed_reports_render.py",
-            "tests/test_committed_figures.py", "tests/test_report_statistics.py"]},
+            "tests/test_committed_figures.py", "tests/test_report_statistics.py",
+            "tests/test_lambda_max.py"]},
     # protocol.py: its summaries only (what validate's report.json pools and judges), not the
     # model plumbing around them
     "mutmut-protocol": {
