@@ -147,11 +147,11 @@ def test_the_counted_steps_are_the_steps_taken():
 
 def test_start_vectors():
     """``start=``: the certificate holds for any start vector.  Near the top eigenvector five
-    steps certify what five from the all-ones vector cannot (and a start that is exactly an
-    eigenvector, where the steps break down at once, is still decided by the certificate); the blind start's mirror image of
+    steps certify what five from the all-ones vector cannot; the blind start's mirror image of
     the all-ones vector (orthogonal to its top eigenvector) is caught by the certificate and
-    falls back; a zero or non-finite start is the all-ones vector's; a start of the wrong shape
-    is refused.  Every value agrees with ``eigvalsh``."""
+    falls back, and so is a start that is exactly an eigenvector (the steps break down at once);
+    a zero or non-finite start is the all-ones vector's; a start of the wrong shape is refused.
+    Every value agrees with ``eigvalsh``."""
     rng = np.random.default_rng(11)
     names = ("decaying-64", "steep-64", "gram-64", "blind-start-64", "double-top-64")
     A = torch.stack([CASES[n] for n in names])

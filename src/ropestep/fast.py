@@ -392,10 +392,11 @@ def lambda_max(A: torch.Tensor, steps: int = LANCZOS_STEPS, *, start: torch.Tens
 
     ``k = min(steps, d)`` Lanczos steps with full reorthogonalisation from a start vector (the
     all-ones vector, or the matrix's row of ``start (..., d)``; one that is zero or not finite is
-    replaced by the all-ones vector) give an orthonormal basis ``Q_k`` and the tridiagonal ``T_k = Q_k^T A Q_k``; ``theta =
-    lambda_max(T_k) <= lambda_max(A)``.  In the basis ``[Q_k, W]`` (``W`` the complement) ``A``
-    has the blocks ``T_k``, ``A_W`` and a coupling of norm ``beta_k`` (the last Lanczos
-    residual), and ``||A||_F^2 = ||T_k||_F^2 + 2 beta_k^2 + ||A_W||_F^2``; with
+    replaced by the all-ones vector) give an orthonormal basis ``Q_k`` and the tridiagonal
+    ``T_k = Q_k^T A Q_k``; ``theta = lambda_max(T_k) <= lambda_max(A)``.  In the basis
+    ``[Q_k, W]`` (``W`` the complement) ``A`` has the blocks ``T_k``, ``A_W`` and a coupling of
+    norm ``beta_k`` (the last Lanczos residual), and
+    ``||A||_F^2 = ||T_k||_F^2 + 2 beta_k^2 + ||A_W||_F^2``; with
     ``f = (||A||_F^2 - ||T_k||_F^2 - 2 beta_k^2)^(1/2) >= lambda_max(A_W)``
 
         lambda_max(A) <= lambda_max([[T_k, beta_k e_k], [beta_k e_k^T, f]])
@@ -405,11 +406,12 @@ def lambda_max(A: torch.Tensor, steps: int = LANCZOS_STEPS, *, start: torch.Tens
     interval is wider than ``LAMBDA_CERT_REL`` times ``theta`` (a start vector blind to the top
     eigenvector, a top eigenvalue of multiplicity > 1, a flat spectrum), its recurrence is
     continued to ``retry`` steps in all (when ``retry > steps``), and where that does not certify
-    either, the value comes from LAPACK's full spectrum (``torch.linalg.eigvalsh``).  The interval's ends carry the
-    Lanczos recurrence's rounding, ``O(k u ||A||)`` (backward stable with full
-    reorthogonalisation), the order of ``eigvalsh``'s own.  The certificate holds for any start
-    vector: a better one (near the top eigenvector) only lets fewer steps certify.  ``stats`` (a
-    dict) receives the numbers of matrices, of retried ones and of fallbacks to LAPACK."""
+    either, the value comes from LAPACK's full spectrum (``torch.linalg.eigvalsh``).  The
+    interval's ends carry the Lanczos recurrence's rounding, ``O(k u ||A||)`` (backward stable
+    with full reorthogonalisation), the order of ``eigvalsh``'s own.  The certificate holds for
+    any start vector: a better one (near the top eigenvector) only lets fewer steps certify.
+    ``stats`` (a dict) receives the numbers of matrices, of retried ones and of fallbacks to
+    LAPACK."""
     from .tolerances import LAMBDA_CERT_REL
     d = A.shape[-1]
     X = A.reshape(-1, d, d)
@@ -417,7 +419,8 @@ def lambda_max(A: torch.Tensor, steps: int = LANCZOS_STEPS, *, start: torch.Tens
     if start is not None:
         if tuple(start.shape) != tuple(A.shape[:-1]):
             raise ValueError(f"lambda_max: start vectors of shape {tuple(start.shape)} for "
-                             f"matrices of shape {tuple(A.shape)} (expected {tuple(A.shape[:-1])})")
+                             f"matrices of shape {tuple(A.shape)} "
+                             f"(expected {tuple(A.shape[:-1])})")
         S = start.reshape(-1, d)
     lo, hi, state = _interval(X, steps, S)
     bad = ~(hi - lo <= LAMBDA_CERT_REL * lo)  # NaN or a wide interval
