@@ -422,12 +422,13 @@ def lambda_max(A: torch.Tensor, steps: int = LANCZOS_STEPS, *, start: torch.Tens
                              f"matrices of shape {tuple(A.shape)} "
                              f"(expected {tuple(A.shape[:-1])})")
         S = start.reshape(-1, d)
-    lo, hi, state = _interval(X, steps, S)
+    lo, hi, blocks = _interval(X, steps, S)
     bad = ~(hi - lo <= LAMBDA_CERT_REL * lo)  # NaN or a wide interval
     retried = 0
     if retry is not None and int(retry) > int(steps) and bool(bad.any()):  # more steps first
         idx = bad.nonzero()[:, 0]
-        lo[idx], hi[idx], _ = _interval(X[idx], int(retry), state=tuple(s[idx] for s in state))
+        state = tuple(torch.cat(p)[idx] for p in zip(*blocks))
+        lo[idx], hi[idx], _ = _interval(X[idx], int(retry), state=state)
         retried = int(idx.numel())
         bad = ~(hi - lo <= LAMBDA_CERT_REL * lo)
     if bool(bad.any()):  # the full spectrum
@@ -443,8 +444,9 @@ def _interval(X: torch.Tensor, steps: int, S: torch.Tensor | None = None,
               state: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor, tuple]:
     """The certified interval ``[lambda_max(T_k), lambda_max(T^_k)]`` of every matrix of
     ``X (B, d, d)`` after ``steps`` Lanczos steps from the rows of ``S`` (:func:`lambda_max`), or
-    continuing the recurrences of ``state`` (a previous call's on the same matrices), in blocks of
-    ``LANCZOS_BLOCK`` matrices that stay in cache; and the recurrences' state."""
+    continuing the recurrences of ``state`` (a previous call's blocks' states, joined, on the
+    same matrices), in blocks of ``LANCZOS_BLOCK`` matrices that stay in cache; and each block's
+    recurrence state (:func:`_lanczos`), joined only where a caller continues them."""
     lo, hi = X.new_empty(X.shape[0]), X.new_empty(X.shape[0])
     parts = []
     for b0 in range(0, X.shape[0], LANCZOS_BLOCK):
@@ -458,7 +460,7 @@ def _interval(X: torch.Tensor, steps: int, S: torch.Tensor | None = None,
         tail = ((Xb * Xb).sum((-1, -2)) - tk2 - 2 * bk * bk).clamp_min(0).sqrt()
         lo[sl], hi[sl] = _ends(alpha, beta, tail)
         parts.append(rec)
-    return lo, hi, tuple(torch.cat(p) for p in zip(*parts))
+    return lo, hi, parts
 
 
 def _lanczos(X: torch.Tensor, steps: int, start: torch.Tensor | None = None,
@@ -482,12 +484,12 @@ def _lanczos(X: torch.Tensor, steps: int, start: torch.Tensor | None = None,
     alpha, beta = X.new_zeros(B, k), X.new_zeros(B, k)
     if state is not None:
         alpha[:, :j0], beta[:, :j0], Q[:, :j0], q = state
-    else:
-        q = X.new_full((B, 1, d), d ** -0.5)
-    if start is not None and state is None:
+    elif start is not None:
         nrm = torch.linalg.vector_norm(start, dim=-1, keepdim=True)  # (B, 1)
         ok = (nrm > 0) & torch.isfinite(nrm)
         q = torch.where(ok, start / torch.where(ok, nrm, 1.0), d ** -0.5)[:, None, :]
+    else:
+        q = X.new_full((B, 1, d), d ** -0.5)
     for j in range(j0, k):
         Q[:, j:j + 1] = q
         w = torch.bmm(q, X)  # (B, 1, d): q^T X
