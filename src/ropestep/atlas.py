@@ -276,12 +276,12 @@ def _pass_original(ch, L64, arr, nat, vscale, sc, Ah, q_unrot, anchors, anchor_e
                 Y = Bt @ t[gi]  # (Qc, d, r)
                 inc = 0.5 * (Y * (M @ Y)).sum((-1, -2)) > (Y * Y).sum((-1, -2))
                 arr["inc_input"][h, qi] = inc.double()
-        if Ah is None:  # one certified lambda_max call: G's, then M's
-            (lam_q,) = fast.lambda_max(sym, fast.LANCZOS_STEPS_STARTED, start=start,
-                                       retry=fast.LANCZOS_STEPS)
+        lam = fast.lambda_max(sym, fast.LANCZOS_STEPS_STARTED, start=start,
+                              retry=fast.LANCZOS_STEPS)  # one certified call: G's, then M's
+        if Ah is None:
+            (lam_q,) = lam
         else:
-            lam_q, lam_in = fast.lambda_max(sym, fast.LANCZOS_STEPS_STARTED, start=start,
-                                            retry=fast.LANCZOS_STEPS)
+            lam_q, lam_in = lam
             arr["lam_input"][h0:h1, qi] = lam_in
         arr["lam_query"][h0:h1, qi] = fast.query_lambda(lam_q, sc[hs][:, None])
     # frozen reuse: anchors of this chunk first, then every query of the chunk
