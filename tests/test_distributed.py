@@ -55,11 +55,37 @@ def same(a: dict, b: dict) -> list[str]:
     whose ``--out`` differs by construction, compared without it)."""
     def argv(r: dict) -> list:
         c = list(r["command"])
+        if r["run"]["world_size"] > 1:  # the torchrun line that reruns it (dist.launcher_command)
+            assert c[:5] == ["torchrun", "--nnodes=1",
+                             f"--nproc_per_node={r['run']['world_size']}", "-m",
+                             "ropestep.cli"], c
+            c = ["ropestep", *c[5:]]
         return c[:c.index("--out")] + c[c.index("--out") + 2:]
 
     diff = [k for k in sorted(set(a) | set(b)) if k not in SKIP | {"command"}
             and timeless(a.get(k)) != timeless(b.get(k))]
     return diff + (["command"] if argv(a) != argv(b) else [])
+
+
+def test_the_recorded_command_names_the_launcher(monkeypatch):
+    """A worker started by torchrun records the torchrun line that reruns it, nodes and
+    processes per node from torchrun's environment; a plain process records its command."""
+    from ropestep.dist import launcher_command
+
+    for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_WORLD_SIZE",
+              "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(k, raising=False)
+    cmd = ["ropestep", "atlas", "--model", "m", "--out", "o"]
+    assert launcher_command(cmd) == cmd
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "6")
+    monkeypatch.setenv("MASTER_ADDR", "localhost")
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    assert launcher_command(cmd) == ["torchrun", "--nnodes=1", "--nproc_per_node=6", "-m",
+                                     "ropestep.cli", *cmd[1:]]
+    monkeypatch.setenv("GROUP_WORLD_SIZE", "3")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert launcher_command(cmd)[:3] == ["torchrun", "--nnodes=3", "--nproc_per_node=2"]
 
 
 def test_validate_with_one_two_and_three_processes(model_dir, tmp_path):

@@ -45,7 +45,8 @@ import torch
 
 from . import fast, scale, tolerances
 from .dist import (broadcast_from_rank0, exit_worker, finish, gather_to_rank0,
-                   init_distributed, shard_contiguous, under_launcher)
+                   init_distributed, launcher_command, shard_contiguous,
+                   under_launcher)
 from .kernel import augment, transform
 from .provenance import portable_command, portable_config, portable_name
 from .runstate import Progress, peak_rss_mib
@@ -1225,7 +1226,8 @@ def main_args(args, argv: Sequence[str]) -> int:
     try:
         rank, world, _ = init_distributed(None, "cpu" if args.device == "cpu" else args.device)
         try:
-            result = run(cfg, progress=not args.quiet, command=["ropestep", *argv],
+            result = run(cfg, progress=not args.quiet,
+                         command=launcher_command(["ropestep", *argv]),
                          dist_info=(rank, world), dump_raw=dump_raw, run_dir=run_dir,
                          resume=args.resume, placement=place)
         except (AtlasError, protocol.ProtocolError, CorpusError, models.ModelLoadError,

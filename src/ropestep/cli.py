@@ -131,7 +131,7 @@ def cmd_validate(args: argparse.Namespace, argv: Sequence[str]) -> int:
     import shutil
     import tempfile
 
-    from .dist import broadcast_from_rank0, finish, init_distributed
+    from .dist import broadcast_from_rank0, finish, init_distributed, launcher_command
 
     scratch = None
     if place is not None and place["device_map"] == "auto" and "offload_folder" not in place:
@@ -141,7 +141,8 @@ def cmd_validate(args: argparse.Namespace, argv: Sequence[str]) -> int:
     try:  # under torchrun the contexts are shared between the processes (protocol.run)
         rank, world, _ = init_distributed(None, "cpu" if args.device == "cpu" else args.device)
         try:
-            result = protocol.run(cfg, progress=not args.quiet, command=["ropestep", *argv],
+            result = protocol.run(cfg, progress=not args.quiet,
+                                  command=launcher_command(["ropestep", *argv]),
                                   dump_raw=dump_raw, dist_info=(rank, world), placement=place,
                                   run_dir=run_dir, resume=args.resume)
         except (protocol.ProtocolError, corpus_mod.CorpusError, *load_errors) as err:

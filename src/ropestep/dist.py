@@ -15,6 +15,23 @@ def under_launcher() -> bool:
     return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
 
 
+def launcher_command(command: Sequence[str]) -> list[str]:
+    """The command line a report records: ``command`` (``["ropestep", subcommand, ...]``) as it
+    was given, or, in a worker started by torchrun, the torchrun line that reruns it -- the
+    nodes and processes per node from torchrun's environment (``GROUP_WORLD_SIZE``,
+    ``LOCAL_WORLD_SIZE``) and ``-m ropestep.cli`` for the console script -- so that a report
+    of several processes does not read as a one-process run (the processes' thread count is
+    in the report's ``environment``)."""
+    cmd = [str(a) for a in command]
+    if not under_launcher():
+        return cmd
+    nodes = os.environ.get("GROUP_WORLD_SIZE", "1")
+    per_node = os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"])
+    rest = cmd[1:] if cmd and cmd[0] == "ropestep" else cmd
+    return ["torchrun", f"--nnodes={nodes}", f"--nproc_per_node={per_node}", "-m",
+            "ropestep.cli", *rest]
+
+
 def init_distributed(backend: str | None = None, device: str = "cpu") -> tuple[int, int, Any]:
     """Join the process group from torchrun's environment; ``(rank, world, device)``.
 

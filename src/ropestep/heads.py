@@ -770,7 +770,7 @@ def main_args(args, argv: Sequence[str]) -> int:
     if place is not None and place["device_map"] == "auto" and "offload_folder" not in place:
         scratch = tempfile.mkdtemp(prefix="ropestep-offload-")  # removed below
         place["offload_folder"] = scratch
-    from .dist import broadcast_from_rank0, finish, init_distributed
+    from .dist import broadcast_from_rank0, finish, init_distributed, launcher_command
 
     threads = torch.get_num_threads()
     torch.set_num_threads(args.threads)
@@ -779,7 +779,8 @@ def main_args(args, argv: Sequence[str]) -> int:
         rank, world, _ = init_distributed(None, "cpu")
         try:
             result = run(args.model, layers=args.layers, revision=args.revision, gguf=args.gguf,
-                         base_range=(args.base_min, args.base_max), command=["ropestep", *argv],
+                         base_range=(args.base_min, args.base_max),
+                         command=launcher_command(["ropestep", *argv]),
                          dump_raw=dump_raw, placement=place, dist_info=(rank, world))
             if rank == 0:
                 write_report(result, out, figures=not args.no_figures)
