@@ -55,10 +55,7 @@ def compare(a: Any, b: Any, skip: tuple[str, ...] = SKIP) -> dict:
             if rel > out["worst_rel"]:
                 out["worst_rel"], out["worst_at"] = rel, path
 
-    walk(a, b, "")
-    va, vb = a.get("verdict"), b.get("verdict")
-    if va != vb:
-        out["mismatch"].append(f"/verdict: {va!r} and {vb!r}")
+    walk(a, b, "")  # a verdict that differs is a mismatch of its leaves, like any other
     return out
 
 
@@ -83,8 +80,9 @@ def main(argv: list[str] | None = None) -> int:
                                                      else ""))
     for m in res["mismatch"]:
         print(f"MISMATCH {m}")
-    print("verdicts agree" if a.get("verdict") == b.get("verdict") else "verdicts DIFFER")
-    return 1 if res["mismatch"] else 0
+    agree = a.get("verdict") == b.get("verdict")  # also where --skip leaves the verdict out
+    print("verdicts agree" if agree else "verdicts DIFFER")
+    return 1 if res["mismatch"] or not agree else 0
 
 
 if __name__ == "__main__":
