@@ -118,8 +118,8 @@ EXEMPT = {  # leaves not computed from the data, with the reason
     ("timing_seconds",): "wall-clock timings",
     ("peak_rss_mib",): "the process's peak resident memory",
     ("run",): "the process layout: world size, each rank's items and timings",
-    ("cost",): "seconds, this machine's GEMM rates and what is derived from them (the counted "
-               "flops of each phase are compared in COST_FLOPS)",
+    ("cost", "matmul_flops_per_s"): "this machine's GEMM rates, measured (what is derived "
+                                    "from them and the timers: COST_DERIVED)",
     ("replication_style_descent", "space"): "a label",
     ("replication_style_descent", "query"): "a label",
 }
@@ -129,6 +129,10 @@ RECOMPUTED = ("layers", "replication_style_descent", "verdict")
 
 
 COST_FLOPS = ("cost", "phases", "*", "flops")  # section 11, `cost`: reference.counted_flops
+# every other leaf of `cost` (the phases' seconds summed over the processes' timers, rates,
+# fractions, the floor, the forwards' time and the ratios): reference.cost_section, from the
+# report's own timers (`run`), rates and counts; equal up to the order of a few float64 sums
+COST_DERIVED = ("cost",)
 
 
 def leaf_class(path: tuple) -> str:
@@ -138,6 +142,8 @@ def leaf_class(path: tuple) -> str:
         return "counted"
     if any(path[:len(p)] == p for p in EXEMPT):
         return "exempt"
+    if path[:1] == COST_DERIVED:
+        return "cost"
     if path[0] == "model" and path[1] in SHAPES or path[0] in RECOMPUTED:
         return "recomputed"
     if path[0] in ECHOES:
@@ -381,8 +387,9 @@ def agrees(value: Any, candidates: list[Any], tolerance_abs: float) -> bool:
 def compare(report: dict, ref: reference.Reference) -> tuple[list[str], dict[str, int]]:
     """Every leaf of ``report`` against the reference: the problems, and how many leaves of each
     class were compared."""
-    problems, counts = [], {"recomputed": 0, "echo": 0, "exempt": 0, "counted": 0}
+    problems, counts = [], {"recomputed": 0, "echo": 0, "exempt": 0, "counted": 0, "cost": 0}
     counted = reference.counted_flops(ref.manifest)
+    cost = reference.cost_section(report) if report.get("cost") is not None else {}
     if report.get("cost") is not None:  # every phase the report times has its count
         phases = report["cost"]["phases"]
         for ph in counted:
@@ -405,6 +412,12 @@ def compare(report: dict, ref: reference.Reference) -> tuple[list[str], dict[str
             want = counted.get(ph)
             if want is None or abs(value - want) > 1e-12 * abs(want):
                 problems.append(f"{where}: atlas counts {value!r}, reference {want!r}")
+            continue
+        if kind == "cost":  # the same sums and quotients in float64, maybe in another order
+            want = at(cost, path[1:]) if has(cost, path[1:]) else "(absent)"
+            if not (value == want or isinstance(value, float) and isinstance(want, float)
+                    and abs(value - want) <= 1e-12 * abs(want)):
+                problems.append(f"{where}: atlas {value!r}, recomputed from its timers {want!r}")
             continue
         if kind == "echo":
             dumped = at(ref.manifest, path) if has(ref.manifest, path) else "(absent)"
@@ -472,6 +485,8 @@ def test_every_leaf_of_the_tiny_atlas_is_recomputed(tiny):
     cfg = tiny.ref.manifest["config"]
     assert (cfg["contexts"], cfg["length"], cfg["anchor_every"], cfg["seed"]) == (2, 48, 16, 3)
     assert counts["recomputed"] > 2 * HEADS * 50  # every head's fields, both layers
+    # cost: 4 phases x 4 derived leaves, the work, floor, fraction, forwards and 2 ratios
+    assert counts["cost"] == 4 * 4 + 6 and counts["counted"] == 4
     # the planted head makes the unresolved count informative: neither none nor all rows
     unresolved = [lr["heads"][0]["original_gauge_unresolved_queries"]
                   for lr in tiny.report["layers"].values()]

@@ -139,6 +139,18 @@ MUTMUT_PARTS: dict[str, dict[str, Any]] = {
             "tests/test_verdicts.py::test_builtin_max_drops_nan_but_worst_does_not",
             "tests/test_verdicts.py::test_pass_predicate_fails_nan_and_inf",
             "tests/test_protocol.py::test_paper_setup_detection"]},
+    # cost.py: the counted work and what the cost section derives from it (the figures the
+    # atlas's cost acceptance is judged by) -- not matmul_rate, a timing whose mutants change
+    # only how fast the rate is found; the fast subset: the counts by brute force, the
+    # documented Lanczos counts, phase_report by hand and every committed atlas report's cost
+    # against the reference recomputation
+    "mutmut-cost": {
+        "only_mutate": ["src/ropestep/cost.py"], "also_copy": ["validation", "docs"],
+        "functions": {"src/ropestep/cost.py": [
+            "lambda_max_flops", "prefix_sums", "atlas_flops", "phase_report"]},
+        "pytest_add_cli_args_test_selection": [
+            "tests/test_committed_cost.py", "tests/test_plan.py::test_counts_by_brute_force",
+            "tests/test_lambda_max.py::test_the_counted_steps_are_the_steps_taken"]},
     # realchecks.py: every function; the fast subset replays a frozen tiny validate run's calls
     # (tests/test_realchecks_frozen.py: the claims and the 50-digit oracle rows against the
     # references, seconds), the checks' own tests on tiny models (QK-norm, soft-capped and

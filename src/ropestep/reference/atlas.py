@@ -549,3 +549,46 @@ def counted_flops(manifest: dict) -> dict[str, float]:
         out["lowp_maxkey"] += streamed
         out["float64_maxkey"] += streamed
     return out
+
+
+def cost_section(report: dict) -> dict:
+    """Section 11's `cost` recomputed from what the report measured: every process's phase
+    timers (``run.rank_timing_seconds``), the GEMM rates (``cost.matmul_flops_per_s``, the
+    only measurement taken as given) and the phases' counted operations (``cost.phases[p].flops``,
+    which :func:`counted_flops` recomputes from a dump's sizes).
+
+    A phase's ``seconds`` is the sum of its timer over the processes, ``dtype`` float64 but for
+    the model-dtype max-key pass (``config.dtype``), ``achieved_flops_per_s = flops / seconds``
+    and ``fraction_of_matmul`` that over the rate of the phase's dtype; ``work_seconds`` sums
+    the phases' seconds, ``floor_seconds`` their ``flops / rate``, the overall fraction is
+    floor over work; ``model_forward_seconds`` sums the processes' forward timers and, where
+    it is positive, gives ``work_over_model_forward`` and ``floor_over_model_forward``.  Phases
+    no process timed are absent."""
+    given = report["cost"]
+    rates = given["matmul_flops_per_s"]
+    low = report["config"]["dtype"]
+    ranks = [report["run"]["rank_timing_seconds"][k]
+             for k in sorted(report["run"]["rank_timing_seconds"], key=int)]
+    names = ("project", "float64_original", f"{low}_maxkey", "float64_maxkey")
+    phases, work, floor = {}, 0.0, 0.0
+    for name in names:
+        timed = [t[name] for t in ranks if name in t]
+        if not timed:
+            continue
+        seconds = math.fsum(timed)
+        flops = float(given["phases"][name]["flops"])
+        dtype = low if name == f"{low}_maxkey" else "float64"
+        achieved = flops / seconds if seconds > 0 else math.nan
+        phases[name] = {"flops": flops, "seconds": seconds, "dtype": dtype,
+                        "achieved_flops_per_s": achieved,
+                        "fraction_of_matmul": achieved / rates[dtype]}
+        work += seconds
+        floor += flops / rates[dtype]
+    out = {"phases": phases, "matmul_flops_per_s": dict(rates), "work_seconds": work,
+           "floor_seconds": floor,
+           "fraction_of_matmul": floor / work if work > 0 else math.nan}
+    forward = math.fsum(t.get("model_forward", 0.0) for t in ranks)
+    if forward > 0:
+        out.update(model_forward_seconds=forward, work_over_model_forward=work / forward,
+                   floor_over_model_forward=floor / forward)
+    return out

@@ -1,0 +1,177 @@
+"""The `cost` section of the atlas reports (docs/protocol.md section 11): the figures issue 17's
+acceptance is judged by, recomputed.
+
+* ``cost.phase_report`` against numbers worked by hand;
+* every committed atlas report's `cost`, leaf for leaf, against
+  :func:`ropestep.reference.atlas.cost_section`, which recomputes it from the report's own
+  measurements (each process's phase timers in ``run.rank_timing_seconds``, the GEMM rates) and
+  the counted operations; and the report's ``timing_seconds`` are process 0's timers;
+* the committed repeats of the two-process Qwen2.5 atlas are the same report as the committed
+  run, number for number (their seconds and rates are the machine's, their counted work is
+  the same).
+
+Tolerance of the comparison: both sides evaluate the same sums (of at most four phases, or of
+the processes' timers) and quotients in IEEE-754 float64, in possibly different orders, so
+they differ by a few units of the last place (relative ``<= 8 * 2**-53`` for sums of up to
+four positive terms followed by one quotient); ``1e-12`` relative is ample for that and far
+below any change of a formula (a factor of ``1 + 1e-9`` on a fraction fails it).
+"""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from ropestep import atlas, cost
+from ropestep.reference import atlas as reference
+
+ROOT = Path(__file__).resolve().parents[1]
+REL = 1e-12  # see the module docstring
+ATLASES = [p.parent for p in sorted((ROOT / "validation").glob("*/report.json"))
+           if json.loads(p.read_text(encoding="utf-8")).get("schema") == "ropestep.atlas/1"]
+TWO_PROCESS = "atlas-qwen2.5-coder-0.5b-2proc"
+
+
+def load(d: Path) -> dict:
+    return json.loads((d / "report.json").read_text(encoding="utf-8"))
+
+
+def leaves(tree, path=()):
+    if isinstance(tree, dict):
+        for k, v in tree.items():
+            yield from leaves(v, (*path, k))
+    else:
+        yield path, tree
+
+
+def differences(got: dict, want: dict) -> list[str]:
+    """Every leaf where ``got`` and ``want`` differ (structure, type, or value beyond REL)."""
+    g, w = dict(leaves(got)), dict(leaves(want))
+    out = [f"{'/'.join(p)}: only in the report" for p in g.keys() - w.keys()]
+    out += [f"{'/'.join(p)}: only in the recomputation" for p in w.keys() - g.keys()]
+    for p in sorted(g.keys() & w.keys()):
+        a, b = g[p], w[p]
+        if isinstance(a, str) or isinstance(b, str):
+            ok = a == b
+        elif math.isnan(a) or math.isnan(b):
+            ok = math.isnan(a) and math.isnan(b)
+        else:
+            ok = abs(a - b) <= REL * max(abs(a), abs(b))
+        if not ok:
+            out.append(f"{'/'.join(p)}: report {a!r}, recomputed {b!r}")
+    return out
+
+
+def test_phase_report_by_hand():
+    """Three phases at float64 100 and float32 400 operations per second: 300 operations in
+    6 s and 800 in 4 s are rates 50 and 200, fractions 0.5 and 0.5, and the projections'
+    second of uncounted work rate 0; 11 s of work, a floor of 3 + 2 = 5 s, overall 5/11;
+    forwards of 2 s make 5.5x and 2.5x.  A phase with no timer is absent."""
+    rates = {"float64": 100.0, "float32": 400.0}
+    got = cost.phase_report({"float64_original": 300.0, "lowp_maxkey": 800.0,
+                             "float64_maxkey": 7.0, "project": 0.0},
+                            {"float64_original": 6.0, "float32_maxkey": 4.0, "project": 1.0},
+                            rates, "float32", 2.0)
+    assert got["phases"] == {
+        "project": {"flops": 0.0, "seconds": 1.0, "dtype": "float64",
+                    "achieved_flops_per_s": 0.0, "fraction_of_matmul": 0.0},
+        "float64_original": {"flops": 300.0, "seconds": 6.0, "dtype": "float64",
+                             "achieved_flops_per_s": 50.0, "fraction_of_matmul": 0.5},
+        "float32_maxkey": {"flops": 800.0, "seconds": 4.0, "dtype": "float32",
+                           "achieved_flops_per_s": 200.0, "fraction_of_matmul": 0.5}}
+    assert (got["work_seconds"], got["floor_seconds"], got["fraction_of_matmul"]) == \
+        (11.0, 5.0, 5.0 / 11.0)
+    assert (got["model_forward_seconds"], got["work_over_model_forward"],
+            got["floor_over_model_forward"]) == (2.0, 5.5, 2.5)
+    assert got["matmul_flops_per_s"] == rates
+
+
+def test_phase_report_without_time():
+    """A phase of zero seconds has NaN rates and the overall fraction is NaN (never a
+    division that passes for a number); without the forwards' time there are no ratios."""
+    got = cost.phase_report({"float64_original": 3.0}, {"float64_original": 0.0},
+                            {"float64": 100.0, "float32": 400.0}, "float32", None)
+    p = got["phases"]["float64_original"]
+    assert math.isnan(p["achieved_flops_per_s"]) and math.isnan(p["fraction_of_matmul"])
+    assert math.isnan(got["fraction_of_matmul"]) and got["floor_seconds"] == 0.03
+    assert not {"model_forward_seconds", "work_over_model_forward",
+                "floor_over_model_forward"} & got.keys()
+
+
+def test_the_reference_recomputes_the_documented_cost_by_hand():
+    """The reference's reading of section 11 on a two-process report worked by hand: seconds
+    summed over the processes, the forwards too."""
+    report = {"config": {"dtype": "bfloat16"},
+              "cost": {"matmul_flops_per_s": {"float64": 10.0, "bfloat16": 40.0},
+                       "phases": {"float64_original": {"flops": 60.0},
+                                  "bfloat16_maxkey": {"flops": 80.0}}},
+              "run": {"rank_timing_seconds": {
+                  "1": {"float64_original": 4.0, "bfloat16_maxkey": 1.0, "model_forward": 1.5},
+                  "0": {"float64_original": 8.0, "bfloat16_maxkey": 3.0,
+                        "model_forward": 0.5}}}}
+    got = reference.cost_section(report)
+    assert got["phases"] == {
+        "float64_original": {"flops": 60.0, "seconds": 12.0, "dtype": "float64",
+                             "achieved_flops_per_s": 5.0, "fraction_of_matmul": 0.5},
+        "bfloat16_maxkey": {"flops": 80.0, "seconds": 4.0, "dtype": "bfloat16",
+                            "achieved_flops_per_s": 20.0, "fraction_of_matmul": 0.5}}
+    assert (got["work_seconds"], got["floor_seconds"], got["fraction_of_matmul"]) == \
+        (16.0, 8.0, 0.5)
+    assert (got["model_forward_seconds"], got["work_over_model_forward"],
+            got["floor_over_model_forward"]) == (2.0, 8.0, 4.0)
+
+
+def test_the_committed_atlas_reports_are_found():
+    names = {d.name for d in ATLASES if load(d).get("cost")}
+    assert {"atlas-qwen2.5-coder-0.5b", "atlas-qwen2.5-coder-0.5b-offload", TWO_PROCESS,
+            f"{TWO_PROCESS}-repeat1", f"{TWO_PROCESS}-repeat2"} <= names, names
+
+
+@pytest.mark.parametrize("name", [d.name for d in ATLASES])
+def test_committed_cost_is_recomputed(name):
+    """Every leaf of the committed report's `cost` is the reference's recomputation from the
+    report's timers, rates and counts; `timing_seconds` are process 0's timers."""
+    r = load(ROOT / "validation" / name)
+    if r.get("cost") is None:
+        pytest.skip(f"{name}: no cost section (a report of an earlier schema, or --replication)")
+    problems = differences(r["cost"], reference.cost_section(r))
+    assert not problems, "\n".join(problems)
+    rank0 = r["run"]["rank_timing_seconds"]["0"]
+    assert {k: v for k, v in r["timing_seconds"].items() if k != "total"} == \
+        {k: v for k, v in rank0.items() if k != "total"}
+    assert r["run"]["world_size"] == len(r["run"]["rank_timing_seconds"])
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_committed_two_process_repeats_are_the_same_report(k):
+    """The repeats of the committed two-process atlas give its numbers bit for bit, with the
+    same counted work (only the machine's seconds and rates may differ)."""
+    base = load(ROOT / "validation" / TWO_PROCESS)
+    rep = load(ROOT / "validation" / f"{TWO_PROCESS}-repeat{k}")
+    assert rep["run"]["world_size"] == base["run"]["world_size"] == 2
+    assert rep["verdict"]["passed"] and atlas.same_report(base, rep)
+
+
+def test_a_changed_cost_figure_is_caught():
+    """The comparison's power: a fraction, a ratio to the forwards or a phase's seconds moved
+    by one part in 1e9 in the committed two-process report each show as a difference."""
+    r = load(ROOT / "validation" / TWO_PROCESS)
+    want = reference.cost_section(r)
+    for path in (("fraction_of_matmul",), ("work_over_model_forward",),
+                 ("phases", "float64_original", "seconds"),
+                 ("phases", "float32_maxkey", "fraction_of_matmul")):
+        bad = json.loads(json.dumps(r["cost"]))
+        node = bad
+        for p in path[:-1]:
+            node = node[p]
+        node[path[-1]] *= 1 + 1e-9
+        assert differences(bad, want) == [f"{'/'.join(path)}: report {node[path[-1]]!r}, "
+                                          f"recomputed {at(want, path)!r}"]
+
+
+def at(tree: dict, path: tuple):
+    for p in path:
+        tree = tree[p]
+    return tree
