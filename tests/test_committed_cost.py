@@ -65,27 +65,33 @@ def differences(got: dict, want: dict) -> list[str]:
 
 
 def test_phase_report_by_hand():
-    """Three phases at float64 100 and float32 400 operations per second: 300 operations in
-    6 s and 800 in 4 s are rates 50 and 200, fractions 0.5 and 0.5, and the projections'
-    second of uncounted work rate 0; 11 s of work, a floor of 3 + 2 = 5 s, overall 5/11;
-    forwards of 2 s make 5.5x and 2.5x.  A phase with no timer is absent."""
+    """Four phases at float64 100 and float32 400 operations per second: 300 operations in
+    6 s, 800 in 4 s and 200 in 1 s are rates 50, 200 and 200, fractions 0.5, 0.5 and 2; the
+    projections' second, timed with no count, is no work at rate 0; 12 s of work, a floor of
+    3 + 2 + 2 = 7 s, overall 7/12; forwards of 2 s make 6x and 3.5x.  A count with no timer
+    is absent."""
     rates = {"float64": 100.0, "float32": 400.0}
     got = cost.phase_report({"float64_original": 300.0, "lowp_maxkey": 800.0,
-                             "float64_maxkey": 7.0, "project": 0.0},
-                            {"float64_original": 6.0, "float32_maxkey": 4.0, "project": 1.0},
-                            rates, "float32", 2.0)
+                             "float64_maxkey": 200.0, "untimed": 7.0},
+                            {"float64_original": 6.0, "float32_maxkey": 4.0, "project": 1.0,
+                             "float64_maxkey": 1.0}, rates, "float32", 2.0)
     assert got["phases"] == {
         "project": {"flops": 0.0, "seconds": 1.0, "dtype": "float64",
                     "achieved_flops_per_s": 0.0, "fraction_of_matmul": 0.0},
         "float64_original": {"flops": 300.0, "seconds": 6.0, "dtype": "float64",
                              "achieved_flops_per_s": 50.0, "fraction_of_matmul": 0.5},
         "float32_maxkey": {"flops": 800.0, "seconds": 4.0, "dtype": "float32",
-                           "achieved_flops_per_s": 200.0, "fraction_of_matmul": 0.5}}
+                           "achieved_flops_per_s": 200.0, "fraction_of_matmul": 0.5},
+        "float64_maxkey": {"flops": 200.0, "seconds": 1.0, "dtype": "float64",
+                           "achieved_flops_per_s": 200.0, "fraction_of_matmul": 2.0}}
     assert (got["work_seconds"], got["floor_seconds"], got["fraction_of_matmul"]) == \
-        (11.0, 5.0, 5.0 / 11.0)
+        (12.0, 7.0, 7.0 / 12.0)
     assert (got["model_forward_seconds"], got["work_over_model_forward"],
-            got["floor_over_model_forward"]) == (2.0, 5.5, 2.5)
+            got["floor_over_model_forward"]) == (2.0, 6.0, 3.5)
     assert got["matmul_flops_per_s"] == rates
+    short = cost.phase_report({"float64_original": 30.0}, {"float64_original": 0.5}, rates,
+                              "float32", None)  # under a second of work in all
+    assert short["fraction_of_matmul"] == 0.6
 
 
 def test_phase_report_without_time():
@@ -98,6 +104,14 @@ def test_phase_report_without_time():
     assert math.isnan(got["fraction_of_matmul"]) and got["floor_seconds"] == 0.03
     assert not {"model_forward_seconds", "work_over_model_forward",
                 "floor_over_model_forward"} & got.keys()
+
+
+def test_prefix_sums_are_exact_integers():
+    """The key counts are integers (exact at any length), causal and under a sliding window."""
+    N = 10 ** 9 + 7
+    for window, want in ((None, N * (N + 1) // 2), (1000, 1000 * 1001 // 2 + (N - 1000) * 1000)):
+        got = cost.prefix_sums(N, window)
+        assert got == (want, N) and type(got[0]) is int
 
 
 def test_the_reference_recomputes_the_documented_cost_by_hand():

@@ -1096,6 +1096,13 @@ EQUIVALENT: tuple[Equivalence, ...] = (
                 "(ro - y).abs().amax(-1)", ".amax(None)", "every query then holds the chunk's "
                 "largest error, and lp_id_abs is only ever read through its maximum "
                 "(model_dtype_identity_rel)"),
+    Equivalence("cost.atlas_flops", "extra += H * (2 * S * d * d + 2 * S * d",
+                "extra = H * (2 * S * d * d + 2 * S * d",
+                "extra is 0.0 just before: the first addition to it is the assignment"),
+    Equivalence("cost.prefix_sums", "if window is None or window >= N:",
+                "if window is None or window > N:",
+                "a window of exactly N keys gives w(w + 1)/2 + (N - w) w = N(N + 1)/2 on the "
+                "other branch: the same count"),
     *(Equivalence("atlas._cost", orig, after, "not observable without a GPU: matmul_rate's "
                   "device defaults to the CPU, the test machines' only device")
       for orig, after in (('cost.matmul_rate(torch.float64, device=device)',
