@@ -26,6 +26,7 @@ import pytest
 
 from ropestep import atlas, cost
 from ropestep.reference import atlas as reference
+from reference_walk import at, leaves
 
 ROOT = Path(__file__).resolve().parents[1]
 REL = 1e-12  # see the module docstring
@@ -36,14 +37,6 @@ TWO_PROCESS = "atlas-qwen2.5-coder-0.5b-2proc"
 
 def load(d: Path) -> dict:
     return json.loads((d / "report.json").read_text(encoding="utf-8"))
-
-
-def leaves(tree, path=()):
-    if isinstance(tree, dict):
-        for k, v in tree.items():
-            yield from leaves(v, (*path, k))
-    else:
-        yield path, tree
 
 
 def differences(got: dict, want: dict) -> list[str]:
@@ -177,15 +170,7 @@ def test_a_changed_cost_figure_is_caught():
                  ("phases", "float64_original", "seconds"),
                  ("phases", "float32_maxkey", "fraction_of_matmul")):
         bad = json.loads(json.dumps(r["cost"]))
-        node = bad
-        for p in path[:-1]:
-            node = node[p]
+        node = at(bad, path[:-1])
         node[path[-1]] *= 1 + 1e-9
         assert differences(bad, want) == [f"{'/'.join(path)}: report {node[path[-1]]!r}, "
                                           f"recomputed {at(want, path)!r}"]
-
-
-def at(tree: dict, path: tuple):
-    for p in path:
-        tree = tree[p]
-    return tree
