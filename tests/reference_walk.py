@@ -131,3 +131,27 @@ def missing_from(report: Any, reference: Any) -> list[str]:
     report lost is a failure, as is one it gained without a reference)."""
     return [f"{'/'.join(map(str, path))}: the reference has {value!r}, the report has no such "
             "leaf" for path, value in leaves(reference) if not has(report, path)]
+
+
+def differences(got: Any, want: Any, rel: float) -> list[str]:
+    """Every leaf where two JSON trees (NaN as float NaN: ``ropestep.report.load``) differ: in
+    structure, in a string or bool, or in a number by more than ``rel`` relative; NaN equals
+    only NaN."""
+    g, w = dict(leaves(got)), dict(leaves(want))
+    out = [f"{field_path(p)}: only in the first" for p in g.keys() - w.keys()]
+    out += [f"{field_path(p)}: only in the second" for p in w.keys() - g.keys()]
+    for p in sorted(g.keys() & w.keys(), key=field_path):
+        a, b = g[p], w[p]
+        if not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in (a, b)):
+            ok = a == b
+        elif math.isnan(a) or math.isnan(b):
+            ok = math.isnan(a) and math.isnan(b)
+        else:
+            ok = abs(a - b) <= rel * max(abs(a), abs(b))
+        if not ok:
+            out.append(f"{field_path(p)}: {a!r} against {b!r}")
+    return out
+
+
+def field_path(path: tuple) -> str:
+    return "/".join(map(str, path))

@@ -714,7 +714,7 @@ def test_cost_counts_each_items_work_and_sums_the_ranks_seconds(monkeypatch):
     done = [(0, 0, item(0, 12)), (0, 1, item(1, 12)), (0, 2, item(2, 12)), (1, 0, item(0, 9))]
     parts = [{"timers": {"project": 1.0, "float64_original": 2.0, "float32_maxkey": 0.5,
                          "float64_maxkey": 0.25, "model_forward": 3.0}},
-             {"timers": {"project": 0.5, "float64_original": 1.0}}]
+             {"timers": {"project": 0.5, "float64_original": 1.0, "model_forward": 1.5}}]
     got = atlas._cost(done, specs, parts, torch.float32, "cpu")
     want: dict = {}
     for N, sp in ((12, plain), (12, odd), (12, capped), (9, plain)):
@@ -727,7 +727,15 @@ def test_cost_counts_each_items_work_and_sums_the_ranks_seconds(monkeypatch):
         "project": 1.5, "float64_original": 3.0, "float32_maxkey": 0.5, "float64_maxkey": 0.25}
     assert rates == [(torch.float64, "cpu"), (torch.float32, "cpu")]
     assert got["matmul_flops_per_s"] == {"float64": 1e9, "float32": 4e9}
-    assert got["model_forward_seconds"] == 3.0
+    assert got["model_forward_seconds"] == 4.5  # both processes' forwards
+    rates.clear()  # the model's dtype names its phase, its rate and the timer read
+    bf = atlas._cost(done, specs, [{"timers": {"bfloat16_maxkey": 2.0, "float32_maxkey": 9.0}}],
+                     torch.bfloat16, "cpu")
+    assert rates == [(torch.float64, "cpu"), (torch.bfloat16, "cpu")]
+    assert bf["phases"] == {"bfloat16_maxkey": {
+        "flops": want["lowp_maxkey"], "seconds": 2.0, "dtype": "bfloat16",
+        "achieved_flops_per_s": want["lowp_maxkey"] / 2.0,
+        "fraction_of_matmul": want["lowp_maxkey"] / 2.0 / 4e9}}
     # the odd layer's family, cap and window change its count (so each is read)
     base = cost.atlas_flops(N=12, d=8, r=8, m=16, H=6, H_kv=2)
     assert cost.atlas_flops(N=12, d=8, r=8, m=16, H=6, H_kv=2, affine=False) != base

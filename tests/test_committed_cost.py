@@ -10,11 +10,12 @@ acceptance is judged by, recomputed.
   run, number for number (their seconds and rates are the machine's, their counted work is
   the same).
 
-Tolerance of the comparison: both sides evaluate the same sums (of at most four phases, or of
-the processes' timers) and quotients in IEEE-754 float64, in possibly different orders, so
-they differ by a few units of the last place (relative ``<= 8 * 2**-53`` for sums of up to
-four positive terms followed by one quotient); ``1e-12`` relative is ample for that and far
-below any change of a formula (a factor of ``1 + 1e-9`` on a fraction fails it).
+Tolerance of the comparison: both sides evaluate the same sums and quotients in IEEE-754
+float64, in possibly different orders: a phase's seconds sum ``P`` processes' timers, the work
+and the floor sum at most four phases, and a figure is at most two quotients of those, so the
+two sides differ by at most about ``(P + 6) * 2**-53`` relative (positive terms: no
+cancellation).  ``1e-12`` relative is that for any ``P`` below several thousand, and far below
+any change of a formula (a factor of ``1 + 1e-9`` on a fraction fails it).
 """
 from __future__ import annotations
 
@@ -26,7 +27,8 @@ import pytest
 
 from ropestep import atlas, cost
 from ropestep.reference import atlas as reference
-from reference_walk import at, leaves
+from ropestep.report import load as load_json
+from reference_walk import at, differences as tree_differences
 
 ROOT = Path(__file__).resolve().parents[1]
 REL = 1e-12  # see the module docstring
@@ -36,25 +38,12 @@ TWO_PROCESS = "atlas-qwen2.5-coder-0.5b-2proc"
 
 
 def load(d: Path) -> dict:
-    return json.loads((d / "report.json").read_text(encoding="utf-8"))
+    return load_json(d / "report.json")  # "nan" and "inf" strings back to floats
 
 
 def differences(got: dict, want: dict) -> list[str]:
-    """Every leaf where ``got`` and ``want`` differ (structure, type, or value beyond REL)."""
-    g, w = dict(leaves(got)), dict(leaves(want))
-    out = [f"{'/'.join(p)}: only in the report" for p in g.keys() - w.keys()]
-    out += [f"{'/'.join(p)}: only in the recomputation" for p in w.keys() - g.keys()]
-    for p in sorted(g.keys() & w.keys()):
-        a, b = g[p], w[p]
-        if isinstance(a, str) or isinstance(b, str):
-            ok = a == b
-        elif math.isnan(a) or math.isnan(b):
-            ok = math.isnan(a) and math.isnan(b)
-        else:
-            ok = abs(a - b) <= REL * max(abs(a), abs(b))
-        if not ok:
-            out.append(f"{'/'.join(p)}: report {a!r}, recomputed {b!r}")
-    return out
+    """Every leaf where the report's `cost` and the recomputation differ beyond REL."""
+    return tree_differences(got, want, REL)
 
 
 def test_phase_report_by_hand():
@@ -130,6 +119,13 @@ def test_the_reference_recomputes_the_documented_cost_by_hand():
             got["floor_over_model_forward"]) == (2.0, 8.0, 4.0)
 
 
+def test_nan_is_equal_only_to_nan():
+    assert differences({"a": math.nan, "b": 1.0}, {"a": math.nan, "b": 1.0}) == []
+    assert differences({"a": math.nan}, {"a": 1.0}) == ["a: nan against 1.0"]
+    assert differences({"a": "float32"}, {"a": "float64"}) == ["a: 'float32' against 'float64'"]
+    assert differences({"a": 1.0}, {"b": 1.0}) == ["a: only in the first", "b: only in the second"]
+
+
 def test_the_committed_atlas_reports_are_found():
     names = {d.name for d in ATLASES if load(d).get("cost")}
     assert {"atlas-qwen2.5-coder-0.5b", "atlas-qwen2.5-coder-0.5b-offload", TWO_PROCESS,
@@ -172,5 +168,5 @@ def test_a_changed_cost_figure_is_caught():
         bad = json.loads(json.dumps(r["cost"]))
         node = at(bad, path[:-1])
         node[path[-1]] *= 1 + 1e-9
-        assert differences(bad, want) == [f"{'/'.join(path)}: report {node[path[-1]]!r}, "
-                                          f"recomputed {at(want, path)!r}"]
+        assert differences(bad, want) == [f"{'/'.join(path)}: {node[path[-1]]!r} against "
+                                          f"{at(want, path)!r}"]

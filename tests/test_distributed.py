@@ -15,6 +15,8 @@ import pytest
 
 import ropestep
 from ropestep import atlas
+from ropestep.reference import atlas as reference
+from reference_walk import differences
 
 pytestmark = [pytest.mark.model, pytest.mark.distributed]
 SKIP = {"timings", "timing_seconds", "created_utc", "run", "hardware", "environment",
@@ -111,6 +113,8 @@ def test_atlas_with_three_processes(model_dir, tmp_path):
     assert three["run"]["world_size"] == 3 and all(three["run"]["rank_items"].values())
     assert same(one, three) == ["cost"]  # its seconds and rates are the machine's
     assert atlas.same_report(one, three)  # its counted work is the same
+    for rep in (one, three):  # the seconds summed over the processes, the figures from them
+        assert differences(rep["cost"], reference.cost_section(rep), 1e-12) == []
 
 
 def test_heads_with_one_two_and_three_processes(model_dir, tmp_path):

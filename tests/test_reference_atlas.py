@@ -415,8 +415,9 @@ def compare(report: dict, ref: reference.Reference) -> tuple[list[str], dict[str
             continue
         if kind == "cost":  # the same sums and quotients in float64, maybe in another order
             want = at(cost, path[1:]) if has(cost, path[1:]) else "(absent)"
-            if not (value == want or isinstance(value, float) and isinstance(want, float)
-                    and abs(value - want) <= 1e-12 * abs(want)):
+            close = isinstance(value, float) and isinstance(want, float) and (
+                abs(value - want) <= 1e-12 * abs(want) or math.isnan(value) and math.isnan(want))
+            if not (value == want or close):
                 problems.append(f"{where}: atlas {value!r}, recomputed from its timers {want!r}")
             continue
         if kind == "echo":
