@@ -140,17 +140,19 @@ def differences(got: Any, want: Any, rel: float) -> list[str]:
     g, w = dict(leaves(got)), dict(leaves(want))
     out = [f"{field_path(p)}: only in the first" for p in g.keys() - w.keys()]
     out += [f"{field_path(p)}: only in the second" for p in w.keys() - g.keys()]
-    for p in sorted(g.keys() & w.keys(), key=field_path):
-        a, b = g[p], w[p]
-        if not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in (a, b)):
-            ok = a == b
-        elif math.isnan(a) or math.isnan(b):
-            ok = math.isnan(a) and math.isnan(b)
-        else:
-            ok = abs(a - b) <= rel * max(abs(a), abs(b))
-        if not ok:
-            out.append(f"{field_path(p)}: {a!r} against {b!r}")
-    return out
+    return out + [f"{field_path(p)}: {g[p]!r} against {w[p]!r}"
+                  for p in sorted(g.keys() & w.keys(), key=field_path)
+                  if not same_leaf(g[p], w[p], rel)]
+
+
+def same_leaf(a: Any, b: Any, rel: float) -> bool:
+    """Two leaves agree: numbers within ``rel`` relative (NaN only with NaN), anything else
+    (strings, bools, None) equal."""
+    if not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in (a, b)):
+        return a == b
+    if math.isnan(a) or math.isnan(b):
+        return math.isnan(a) and math.isnan(b)
+    return abs(a - b) <= rel * max(abs(a), abs(b))
 
 
 def field_path(path: tuple) -> str:
