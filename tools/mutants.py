@@ -654,8 +654,8 @@ MUTANTS: tuple[Mutant, ...] = (
            tests=(T_STATS,)),
     # --- the model adapter ------------------------------------------------------------------------
     Mutant("adapter-weight-not-transposed", "models/conventions.py",
-           "wt = part[0].detach().T.reshape(m, heads, d)",
-           "wt = part[0].detach().reshape(m, heads, d)",
+           "wt = part[0].detach().T.reshape(m, heads, dim)",
+           "wt = part[0].detach().reshape(m, heads, dim)",
            "nn.Linear weight (out, in) reshaped without the transpose to (m, heads, d)",
            tests=(T_ADAPTER + "::test_math_layout_matches_linear_layers[tiny_qwen2]",)),
     Mutant("adapter-tables-shifted", "models/conventions.py",

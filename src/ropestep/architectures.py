@@ -92,6 +92,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         f"[{DEFAULT_OUT}]")
     p.add_argument("--seed", type=int, default=0,
                    help="weight seed of every tiny model (ropestep.archzoo.build) [0]")
+    p.add_argument("--all", action="store_true",
+                   help="also the census: every text causal-LM model type of the installed "
+                        "transformers, as a tiny model (ropestep.census)")
+    p.add_argument("--types", default=None, metavar="TYPE,...",
+                   help="the census of these model types only (no zoo unless --only is given)")
+    p.add_argument("--every", type=int, default=1, metavar="K",
+                   help="with --all: every K-th model type of the census, from --offset [1]")
+    p.add_argument("--offset", type=int, default=0, metavar="J",
+                   help="with --every: the first model type taken, 0..K-1 [0]")
     p.add_argument("--threads", type=int, default=1,
                    help="torch CPU threads for every run (fixed: the summation order, hence "
                         "the numbers, depend on it) [1]")
@@ -121,10 +130,13 @@ def main_args(args: argparse.Namespace, argv: Sequence[str]) -> int:
     if importlib.util.find_spec("transformers") is None:
         return input_error(PROG, ArchitecturesInputError(
             "needs transformers: pip install -e '.[model]'"))
-    from . import archzoo
+    from . import archzoo, census
 
     try:
-        names = selected(args.only, list(archzoo.ARCHITECTURES))
+        names = ([] if args.types is not None and args.only is None
+                 else selected(args.only, list(archzoo.ARCHITECTURES)))
+        types = census_selection(args.all, args.types, args.every, args.offset,
+                                 list(census.causal_types()))
     except ArchitecturesInputError as err:
         return input_error(PROG, err)
     import torch
@@ -135,7 +147,8 @@ def main_args(args: argparse.Namespace, argv: Sequence[str]) -> int:
     threads = torch.get_num_threads()
     torch.set_num_threads(args.threads)
     try:
-        result = run(names, seed=args.seed, command=["ropestep", *argv], progress=not args.quiet)
+        result = run(names, seed=args.seed, command=["ropestep", *argv], progress=not args.quiet,
+                     types=types)
     finally:
         torch.set_num_threads(threads)
     from .report import write_report_dir
@@ -152,7 +165,33 @@ def main_args(args: argparse.Namespace, argv: Sequence[str]) -> int:
         print(f"{len(s['passed'])} passed, {len(s['refused'])} refused, {len(s['failed'])} "
               f"failed of {s['architectures']}; wrote {out}/report.json and report.md in "
               f"{result['timing_seconds']['total']:.0f} s")
+        if result.get("census") is not None:
+            print(census_line(result["census_summary"]))
     return EXIT_FAIL if failed else EXIT_PASS
+
+
+def census_selection(every_type: bool, types: str | None, every: int, offset: int,
+                     known: list[str]) -> list[str] | None:
+    """The census's model types: ``--types`` (in the mapping's order), or with ``--all`` every
+    ``every``-th type from ``offset``; None when neither is given (no census)."""
+    if every < 1 or not 0 <= offset < every:
+        raise ArchitecturesInputError(f"--every must be >= 1 and --offset in 0..--every - 1, got "
+                                      f"--every {every} --offset {offset}")
+    if types is not None:
+        if every_type:
+            raise ArchitecturesInputError("--types and --all: give one of them")
+        want = [w.strip() for w in types.split(",") if w.strip()]
+        unknown = [w for w in want if w not in known]
+        if unknown or not want:
+            raise ArchitecturesInputError(
+                f"--types: unknown model type(s) {', '.join(unknown) or '(none given)'} (the "
+                "causal-LM model types of the installed transformers)")
+        return [k for k in known if k in want]
+    if not every_type:
+        if every != 1 or offset:
+            raise ArchitecturesInputError("--every/--offset take a slice of the census: with --all")
+        return None
+    return known[offset::every]
 
 
 def selected(only: str | None, known: list[str]) -> list[str]:
@@ -172,9 +211,11 @@ def selected(only: str | None, known: list[str]) -> list[str]:
 # running
 # ---------------------------------------------------------------------------------------------
 def run(names: Sequence[str], *, seed: int = 0, command: Sequence[str] | None = None,
-        progress: bool = False, run_command: Callable[[Sequence[str]], int] | None = None) -> dict:
-    """The report (a dict) for ``names``; models live in a temporary directory removed on return.
-    ``run_command`` runs one ``ropestep`` command line (default: ``ropestep.cli.main``)."""
+        progress: bool = False, run_command: Callable[[Sequence[str]], int] | None = None,
+        types: Sequence[str] | None = None) -> dict:
+    """The report (a dict) for the zoo's ``names`` and the census's model ``types`` (None: no
+    census); models live in a temporary directory removed on return.  ``run_command`` runs one
+    ``ropestep`` command line (default: ``ropestep.cli.main``)."""
     from . import archzoo
     from .protocol import environment
     from .provenance import portable_command
@@ -192,22 +233,68 @@ def run(names: Sequence[str], *, seed: int = 0, command: Sequence[str] | None = 
             if progress:
                 print(f"{name}: {rec['outcome']} (atlas {rec['atlas']['exit']}, validate "
                       f"{rec['validate']['exit']}; {rec['seconds']:.1f} s)", flush=True)
+        cens = None if types is None else {}
+        for mt in types or ():
+            t = time.perf_counter()
+            rec = run_type(mt, root, seed, run_command or _cli_main())
+            rec["seconds"] = time.perf_counter() - t
+            cens[mt] = rec
+            if progress:
+                print(f"census {mt}: {rec['outcome']} ({rec['seconds']:.1f} s)", flush=True)
     seconds = {n: r.pop("seconds") for n, r in archs.items()}
     failed = [f"{n}: {why}" for n, r in archs.items() for why in r["failures"]]
+    census_seconds = None
+    if cens is not None:
+        census_seconds = {n: r.pop("seconds") for n, r in cens.items()}
+        failed += [f"census {n}: {why}" for n, r in cens.items() for why in r["failures"]]
     by = {k: [n for n, r in archs.items() if r["outcome"] == k]
           for k in ("pass", "refused", "fail")}
-    return {
+    out = {
         "schema": SCHEMA,
         "command": portable_command(list(command) if command is not None else None),
         "config": {"architectures": list(names), "seed": seed,
-                   "atlas_args": list(ATLAS_ARGS), "validate_args": list(VALIDATE_ARGS)},
+                   "atlas_args": list(ATLAS_ARGS), "validate_args": list(VALIDATE_ARGS),
+                   "census_types": None if types is None else list(types)},
         "environment": environment("cpu"),
         "summary": {"architectures": len(archs), "passed": by["pass"], "refused": by["refused"],
                     "failed": by["fail"]},
         "architectures": archs,
-        "timing_seconds": {"total": time.perf_counter() - t0, "per_architecture": seconds},
+        "census": cens,
+        "census_summary": None if cens is None else census_summary(cens),
+        "timing_seconds": {"total": time.perf_counter() - t0, "per_architecture": seconds,
+                           "per_census_type": census_seconds},
         "verdict": {"passed": not failed, "failed": failed},
     }
+    return out
+
+
+CENSUS_OUTCOMES = ("pass", "refused", "not buildable", "duplicate", "fail")
+
+
+def census_summary(cens: dict) -> dict:
+    """Counts of the census's outcomes, over every type and over the rotary ones (a built model
+    with a rotary embedding module), and the types of each outcome."""
+    built = {n: r for n, r in cens.items() if r["outcome"] not in ("duplicate", "not buildable")}
+    rotary = {n: r for n, r in built.items() if r.get("rotary")}
+    return {
+        "types": len(cens),
+        "by_outcome": {k: sorted(n for n, r in cens.items() if r["outcome"] == k)
+                       for k in CENSUS_OUTCOMES},
+        "built": len(built),
+        "rotary": len(rotary),
+        "rotary_by_outcome": {k: sum(r["outcome"] == k for r in rotary.values())
+                              for k in ("pass", "refused", "fail")},
+    }
+
+
+def census_line(s: dict) -> str:
+    """One line of census counts."""
+    b = s["by_outcome"]
+    return (f"census: {s['types']} model types: {len(b['pass'])} pass, {len(b['refused'])} "
+            f"refused, {len(b['not buildable'])} not buildable, {len(b['duplicate'])} "
+            f"duplicates, {len(b['fail'])} fail; of the {s['rotary']} built with a rotary "
+            f"embedding: {s['rotary_by_outcome']['pass']} pass, "
+            f"{s['rotary_by_outcome']['refused']} refused, {s['rotary_by_outcome']['fail']} fail")
 
 
 def _captured(fn: Callable[[], Any]) -> tuple[Any, str, str | None]:
@@ -236,54 +323,103 @@ def _tail(text: str, root: Path, n: int = 12) -> list[str]:
 
 def run_architecture(name: str, arch: Any, root: Path, seed: int,
                      run_command: Callable[[Sequence[str]], int]) -> dict:
-    """One architecture: build and save, read its conventions, run atlas and validate."""
+    """One architecture of the zoo: build and save, read its conventions, run atlas and
+    validate."""
     from . import archzoo
 
     rec: dict = {"model_type": arch.model_type, "what": arch.what, "failures": []}
-    model_dir = root / "models" / name
-    _, text, tb = _captured(lambda: archzoo.save(name, model_dir, seed))
+    return run_model(rec, lambda d: archzoo.save(name, d, seed), name, root, run_command)
+
+
+def run_type(model_type: str, root: Path, seed: int,
+             run_command: Callable[[Sequence[str]], int]) -> dict:
+    """One model type of the census (:mod:`ropestep.census`): a duplicate of another type, not
+    buildable (transformers' own error), or built, saved and run as :func:`run_model`."""
+    from . import archzoo, census
+
+    ent = census.entry(model_type)
+    rec: dict = {"model_type": model_type, "causal_class": ent.causal_class,
+                 "text_type": ent.text_type, "duplicate_of": ent.duplicate_of,
+                 "override": census.OVERRIDES.get(model_type, (None, None))[1],
+                 "rotary": None, "failures": []}
+    if ent.duplicate_of is not None:
+        rec.update(outcome="duplicate", why=f"its text model is {ent.duplicate_of!r}, counted "
+                                            "there")
+        return rec
+
+    def make(directory: Path) -> Any:
+        try:
+            model = census.build(model_type, seed)
+        except census.NotBuildable as err:
+            return err
+        rec["rotary"] = census.has_rotary(model)
+        archzoo.save_model(model, directory)
+        return None
+
+    return run_model(rec, make, model_type, root, run_command)
+
+
+def run_model(rec: dict, make: Callable[[Path], Any], key: str, root: Path,
+              run_command: Callable[[Sequence[str]], int]) -> dict:
+    """``make(directory)`` saves a model there (or returns a :class:`ropestep.census.NotBuildable`:
+    the outcome is then *not buildable*); then its conventions are read and ``atlas`` and
+    ``validate`` run on it.  Outcome: *fail* on any crash or exit 1 (``rec["failures"]``), *pass*
+    when both commands pass, *refused* otherwise (module docstring)."""
+    model_dir = root / "models" / key
+    got, text, tb = _captured(lambda: make(model_dir))
     if tb is not None:
         rec.update(outcome="fail", conventions=None,
                    atlas=_not_run("model not built"), validate=_not_run("model not built"))
         rec["build_crash"] = _tail(tb, root)
         rec["failures"].append(f"building the model crashed: {_tail(tb, root, 1)[0]}")
         return rec
+    if isinstance(got, Exception):
+        rec.update(outcome="not buildable", why=_portable(str(got), root), conventions=None,
+                   atlas=_not_run("not buildable"), validate=_not_run("not buildable"))
+        return rec
     rec["conventions"] = read_conventions(model_dir, root)
     if rec["conventions"].get("crash"):
         rec["failures"].append(f"reading its conventions crashed: "
                                f"{rec['conventions']['crash'][-1]}")
     for cmd in ("atlas", "validate"):
-        out = root / "runs" / name / cmd
+        out = root / "runs" / key / cmd
         argv = [cmd, "--model", str(model_dir), *COMMAND_ARGS[cmd], "--out", str(out)]
-        rc, text, tb = _captured(lambda: run_command(argv))
-        res: dict = {"command": ["ropestep", *(_portable(a, root) for a in argv)], "exit": rc,
-                     "outcome": None, "refusal": None, "checks": {}, "worst": None}
-        errors = [ln for ln in text.splitlines() if ": error: " in ln]
-        if tb is not None:
-            res["outcome"] = "crash"
-            res["crash"] = _tail(tb, root)
-            rec["failures"].append(f"{cmd} crashed: {res['crash'][-1]}")
-        elif rc == EXIT_INPUT and len(errors) == 1 and "Traceback" not in text:
-            res["outcome"] = "refused"
-            res["refusal"] = _portable(errors[0].split(": error: ", 1)[1], root)
-        elif rc in (EXIT_PASS, EXIT_FAIL) and (out / "report.json").is_file():
-            res["outcome"] = "pass" if rc == EXIT_PASS else "fail"
-            report = _load(out / "report.json")
-            res["checks"] = (atlas_checks if cmd == "atlas" else validate_checks)(report)
-            res["worst"] = worst_check(res["checks"])
-            if rc == EXIT_FAIL:
-                res["failed_lines"] = [_portable(ln, root) for ln in text.splitlines()
-                                       if ": FAIL " in ln][:20]
-                rec["failures"].append(f"{cmd} exit 1: " + (res["failed_lines"][:1] or ["?"])[0])
-        else:
-            res["outcome"] = "fail"
-            res["output_tail"] = _tail(text, root)
-            rec["failures"].append(f"{cmd} exit {rc} without a clean refusal or a report")
-        rec[cmd] = res
+        rec[cmd] = run_one(cmd, argv, out, root, run_command, rec["failures"])
     outcomes = {rec["atlas"]["outcome"], rec["validate"]["outcome"]}
     rec["outcome"] = ("fail" if rec["failures"] else "pass" if outcomes == {"pass"}
                       else "refused")
     return rec
+
+
+def run_one(cmd: str, argv: list[str], out: Path, root: Path,
+            run_command: Callable[[Sequence[str]], int], failures: list[str]) -> dict:
+    """One command on a saved model: its exit, outcome (pass, fail, refused, crash), refusal
+    line and checks; a crash, an exit 1 or an unclean exit 2 is added to ``failures``."""
+    rc, text, tb = _captured(lambda: run_command(argv))
+    res: dict = {"command": ["ropestep", *(_portable(a, root) for a in argv)], "exit": rc,
+                 "outcome": None, "refusal": None, "checks": {}, "worst": None}
+    errors = [ln for ln in text.splitlines() if ": error: " in ln]
+    if tb is not None:
+        res["outcome"] = "crash"
+        res["crash"] = _tail(tb, root)
+        failures.append(f"{cmd} crashed: {res['crash'][-1]}")
+    elif rc == EXIT_INPUT and len(errors) == 1 and "Traceback" not in text:
+        res["outcome"] = "refused"
+        res["refusal"] = _portable(errors[0].split(": error: ", 1)[1], root)
+    elif rc in (EXIT_PASS, EXIT_FAIL) and (out / "report.json").is_file():
+        res["outcome"] = "pass" if rc == EXIT_PASS else "fail"
+        report = _load(out / "report.json")
+        res["checks"] = (atlas_checks if cmd == "atlas" else validate_checks)(report)
+        res["worst"] = worst_check(res["checks"])
+        if rc == EXIT_FAIL:
+            res["failed_lines"] = [_portable(ln, root) for ln in text.splitlines()
+                                   if ": FAIL " in ln][:20]
+            failures.append(f"{cmd} exit 1: " + (res["failed_lines"][:1] or ["?"])[0])
+    else:
+        res["outcome"] = "fail"
+        res["output_tail"] = _tail(text, root)
+        failures.append(f"{cmd} exit {rc} without a clean refusal or a report")
+    return res
 
 
 def _not_run(why: str) -> dict:
@@ -317,7 +453,7 @@ def read_conventions(model_dir: Path, root: Path) -> dict:
     if isinstance(info, Exception):
         return {"refused": _portable(" ".join(str(info).split()), root), "layers": [],
                 "summary": None}
-    rows = [c.row() for c in info.layers]
+    rows = [c.row() for c in info.conventions()]
     return {"refused": None, "family": info.family, "rope_type": info.rope_type,
             "rope_theta": info.rope_theta, "head_dim": info.head_dim, "n_heads": info.n_heads,
             "n_kv_heads": info.n_kv_heads, "n_layers": info.n_layers,
@@ -642,8 +778,42 @@ def render_markdown(result: dict) -> str:
         if unrated:
             lines += ["", "Checks without a ratio (flags, counts, signs), passed wherever the "
                           "command exited 0: " + ", ".join(f"`{c}`" for c in unrated) + "."]
+    if result.get("census") is not None:
+        lines += ["", *census_lines(result)]
     lines += ["", f"Runtime: {result['timing_seconds']['total']:.0f} s.", ""]
     return "\n".join(lines)
+
+
+def census_lines(result: dict) -> list[str]:
+    """The census section of report.md: the counts, then one row per model type."""
+    v = result["environment"]["versions"]
+    s = result["census_summary"]
+    lines = [f"## Census: every causal-LM model type of transformers {v['transformers']}", "",
+             "Every model type of transformers' causal-LM auto mapping, built as a tiny model "
+             "from its own configuration defaults (`ropestep.census`: hidden 128, 4 heads of 32 "
+             "on 2 KV heads, the fewest layers that keep every kind of layer, weights redrawn "
+             "so that scores are far from uniform) and run through `atlas` and `validate` with "
+             "the arguments above.  A multimodal type is its text model; where that is another "
+             "type of the mapping it is counted there (*duplicate*).", "",
+             f"**{census_line(s)}.**", "",
+             "| model type | class | rotary | outcome | conventions read, or why not |",
+             "|---|---|---|---|---|"]
+    for name, r in result["census"].items():
+        out = r["outcome"]
+        if out == "pass":
+            why = conventions_text(r.get("conventions"))
+        elif out == "refused":
+            why = refusal_text(r)
+        elif out in ("not buildable", "duplicate"):
+            why = r.get("why") or ""
+        else:
+            why = "**FAIL**: " + "; ".join(r["failures"])
+            out = "**fail**"
+        rot = "–" if r.get("rotary") is None else ("yes" if r["rotary"] else "no")
+        built = r["causal_class"] + ("" if r["text_type"] == name else
+                                      f" (text model `{r['text_type']}`)")
+        lines.append(f"| `{name}` | `{_esc(built)}` | {rot} | {out} | {_esc(why)} |")
+    return lines
 
 
 _CHECK_ORDER = {c: i for i, c in enumerate((

@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .models.structure import attention_module, layer_modules
+from .models.structure import attention_modules, layer_modules
 
 VOCAB = 256  # one token per byte (see `save`)
 HIDDEN, HEAD_DIM, HEADS, KV_HEADS = 128, 32, 4, 2
@@ -302,19 +302,33 @@ def build(name: str, seed: int = 0, dtype: Any = None) -> Any:
         model = AutoModelForCausalLM.from_config(config, attn_implementation="eager",
                                                  dtype=torch.float32)
     model.eval()
+    redraw(model, config, seed)
+    if dtype is not None and dtype != torch.float32:
+        model = model.to(dtype)
+    return model
+
+
+def redraw(model: Any, config: Any, seed: int) -> None:
+    """Redraw a built model's attention weights and perturb its other norms in place (module
+    docstring), seeded by ``seed + 1``; a hybrid's layers without an attention module keep
+    their initialisation (and so does a model whose decoder layers the adapter cannot find)."""
+    import torch
+
+    from .models.errors import UnsupportedModelError
+
     g = torch.Generator().manual_seed(seed + 1)
+    try:
+        layers = list(layer_modules(model))
+    except UnsupportedModelError:  # no decoder layers to find: the adapter refuses it anyway
+        layers = []
     with torch.no_grad():
-        who = name
-        attns = [attention_module(layer, who, L) for L, layer in enumerate(layer_modules(model))]
+        attns = [a for layer in layers for _, a in attention_modules(layer)]
         inside = {id(m) for a in attns for m in a.modules()}
         for _, mod in model.named_modules():
             if is_norm(mod) and id(mod) not in inside:
                 _perturb_norm(mod, gain=1.0, g=g)
         for attn in attns:
             _redraw_attention(attn, config, g)
-    if dtype is not None and dtype != torch.float32:
-        model = model.to(dtype)
-    return model
 
 
 def _byte_tokenizer() -> Any:
@@ -349,9 +363,15 @@ def save(name: str, directory: str | Path, seed: int = 0) -> Path:
     a 256-token byte-level tokenizer (token id = byte value, no special tokens); returns the
     directory.  (For ``qwen2`` transformers loads it as its ``Qwen2Tokenizer``, which also
     NFC-normalises the text first.)"""
+    return save_model(build(name, seed), directory)
+
+
+def save_model(model: Any, directory: str | Path) -> Path:
+    """A built model saved with ``save_pretrained`` into ``directory`` (created), with the
+    256-token byte-level tokenizer of :func:`save`; returns the directory."""
     path = Path(directory)
     path.mkdir(parents=True, exist_ok=True)
-    build(name, seed).save_pretrained(path)
+    model.save_pretrained(path)
     _byte_tokenizer().save_pretrained(path)
     # Say "no special tokens" explicitly: for some model types (qwen2) AutoTokenizer replaces the
     # saved class by the architecture's own, which would otherwise add <|endoftext|> as id 256.

@@ -646,7 +646,8 @@ def run(cfg: AtlasConfig, *, progress: bool = True, command: Sequence[str] | Non
     model, tok, prov = loaded
     timers["load_model"] = time.perf_counter() - t0
     info = models.describe_model(model)
-    layers = protocol.parse_indices(cfg.layers, info.n_layers, "layer")
+    layers = protocol.parse_indices(cfg.layers, info.n_layers, "layer", info.softmax_layers,
+                                    dict(info.others))
     max_pos = getattr(model.config, "max_position_embeddings", None)
     if max_pos is not None and cfg.length > int(max_pos):
         raise AtlasError(f"--len {cfg.length} exceeds the model's max_position_embeddings "

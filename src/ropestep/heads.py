@@ -332,13 +332,14 @@ def failures(layers: dict[str, dict]) -> list[Failure]:
 # ---------------------------------------------------------------------------------------------
 # a loaded model
 # ---------------------------------------------------------------------------------------------
-def parse_layers(text: str | Sequence[int], n_layers: int) -> list[int]:
+def parse_layers(text: str | Sequence[int], n_layers: int, allowed: Sequence[int] | None = None,
+                 refused: dict[int, str] | None = None) -> list[int]:
     """``"all"``, ``"last"``, ``"7"`` or ``"0,3,5"`` (or a sequence) -> sorted distinct layers
     (:func:`ropestep.protocol.parse_indices`, its errors as :class:`HeadsError`)."""
     from .protocol import ProtocolError, parse_indices
 
     try:
-        return parse_indices(text, n_layers, "layer")
+        return parse_indices(text, n_layers, "layer", allowed, refused)
     except ProtocolError as err:
         raise HeadsError(str(err)) from None
 
@@ -378,7 +379,7 @@ def diagnose(model: Any, layers: str | Sequence[int] = "all", *,
     from . import models
 
     info = models.describe_model(model)
-    Ls = parse_layers(layers, info.n_layers)
+    Ls = parse_layers(layers, info.n_layers, info.softmax_layers, dict(info.others))
     res = _over_layers(Ls, lambda L: models.layer_head(model, L, 2, dtype=torch.float64),
                        dump, base_range, dist_info)
     if res is None:

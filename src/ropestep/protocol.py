@@ -153,16 +153,22 @@ class Config:
 # ---------------------------------------------------------------------------------------------
 # input parsing
 # ---------------------------------------------------------------------------------------------
-def parse_indices(text: str | Sequence[int], n: int, what: str) -> list[int]:
-    """``"all"``, ``"last"`` (layers), ``"7"`` or ``"0,3,5"`` -> sorted distinct indices in ``[0, n)``."""
+def parse_indices(text: str | Sequence[int], n: int, what: str,
+                  allowed: Sequence[int] | None = None,
+                  refused: dict[int, str] | None = None) -> list[int]:
+    """``"all"``, ``"last"`` (layers), ``"7"`` or ``"0,3,5"`` -> sorted distinct indices in ``[0, n)``.
+
+    ``allowed`` (a hybrid model's softmax-attention layers): ``"all"`` and ``"last"`` mean those,
+    and an index outside them is refused with its reason from ``refused``."""
+    ok = None if allowed is None else sorted(int(i) for i in allowed)
     if not isinstance(text, str):
         items = [int(x) for x in text]
     else:
         t = text.strip().lower()
         if t == "all":
-            return list(range(n))
+            return list(range(n)) if ok is None else list(ok)
         if t == "last":
-            return [n - 1]
+            return [n - 1] if ok is None else [ok[-1]]
         try:
             items = [int(x) for x in t.split(",") if x.strip() != ""]
         except ValueError:
@@ -174,6 +180,11 @@ def parse_indices(text: str | Sequence[int], n: int, what: str) -> list[int]:
     if bad:
         raise ProtocolError(f"{what} {bad[0]} out of range: the model has {n} {what}s "
                             f"(valid: 0..{n - 1})")
+    other = [] if ok is None else [i for i in items if i not in ok]
+    if other:
+        why = (refused or {}).get(other[0], "not read")
+        raise ProtocolError(f"{what} {other[0]} is not softmax attention ({why}); the "
+                            f"softmax-attention {what}s are {', '.join(map(str, ok))}")
     return sorted(set(items))
 
 
@@ -1139,7 +1150,8 @@ def run(cfg: Config, *, progress: bool = True, command: Sequence[str] | None = N
     model, tok, prov = loaded if loaded is not None else load(cfg, placement)
     timings["model_load_s"] = time.perf_counter() - t
     info = models.describe_model(model)
-    layers = parse_indices(cfg.layers, info.n_layers, "layer")
+    layers = parse_indices(cfg.layers, info.n_layers, "layer", info.softmax_layers,
+                           dict(info.others))
     heads = parse_indices(cfg.heads, info.n_heads, "head")
     if info.max_positions and cfg.prefix_len > info.max_positions:
         raise ProtocolError(f"--prefix-len {cfg.prefix_len} exceeds the model's context "

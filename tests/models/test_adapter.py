@@ -473,7 +473,7 @@ def test_capture_guard_raises_when_a_hook_did_not_fire(tiny_qwen2, monkeypatch):
     # ... and so does the capture's own guard, given the earlier reading
     tiny_qwen2.model.__dict__["_ropestep_conventions"] = (
         models.conventions._fingerprint(tiny_qwen2.model), info)
-    with pytest.raises(RuntimeError, match="hooks fired"):
+    with pytest.raises(RuntimeError, match="layer 1's attention ran 0 times"):
         models.capture(tiny_qwen2.model, tiny_qwen2.ids[:8], [1])
 
 

@@ -32,11 +32,11 @@ def layer_parts(model: Any, layer: int, info: ModelInfo | None = None
         with onloaded(attn):
             parts = {k: tuple(None if t is None else t.detach().clone() for t in wb)
                      for k, wb in layout_candidates(attn, info.n_heads, info.n_kv_heads,
-                                                    info.head_dim, info.head_dim)[
+                                                    info.head_dim, info.r)[
                                                         conv.layout].items()}
     else:
         parts = layout_candidates(attn, info.n_heads, info.n_kv_heads, info.head_dim,
-                                  info.head_dim)[conv.layout]
+                                  info.r)[conv.layout]
     return info, conv, attn, parts, output_projection(attn, info.name, layer)[1]
 
 
@@ -53,8 +53,8 @@ def rotate_as_model(z: torch.Tensor, cos_pp: torch.Tensor, sin_pp: torch.Tensor,
     ``(n, R/2)`` (amplitude included)."""
     if conv.rotary_dim == 0:
         return z
-    return _rotate(z, _layout_tables(cos_pp, conv.pairing), _layout_tables(sin_pp, conv.pairing),
-                   conv.pairing)
+    return _rotate(z, _layout_tables(cos_pp, conv.pairing),
+                   _layout_tables(sin_pp * conv.sign, conv.pairing), conv.pairing)
 
 
 def pair_sum(A: torch.Tensor, conv: LayerConventions) -> torch.Tensor:
@@ -75,7 +75,7 @@ def run_attention(model: Any, layer: int, x: torch.Tensor, positions: torch.Tens
     n = x.shape[0]
     pos = positions.reshape(-1).long()
     # a layer that does not rotate is still handed tables by its model: any rotated layer's
-    rot = conv if conv.rotary else next((c for c in info.layers if c.rotary), None)
+    rot = conv if conv.rotary else next((c for c in info.conventions() if c.rotary), None)
     if rot is None:
         raise RuntimeError(f"{info.name}: no layer rotates, so no RoPE tables to hand layer "
                            f"{layer}")

@@ -1,9 +1,10 @@
 """Capture: the activations of chosen decoder layers in batch-1 eager forward passes.
 
-Per layer, forward hooks record the head input ``x`` (the attention module's own input
-``hidden_states``, whatever norm or parallel branch produced it), the per-head attention output
-(the output projection's input) and the output projection's output; a guard proves every hook
-fired once per pass.  :func:`capture_continuations` and :func:`capture_block` add the protocol's
+Per layer, the recording of :mod:`ropestep.models.probe` keeps the head input ``x`` (the
+attention module's own input ``hidden_states``, whatever norm or parallel branch produced it),
+the per-head attention output as the attention function returns it (not the output projection's
+input, which a norm or gate may change: BitNet, Qwen3-Next) and the output projection's output;
+a guard proves every layer's attention ran once per pass.  :func:`capture_continuations` and :func:`capture_block` add the protocol's
 candidate next tokens, run on the prefix's KV cache.
 """
 from __future__ import annotations
@@ -19,7 +20,8 @@ import torch
 from .conventions import ModelInfo, check_layer_index, describe_model
 from .errors import UnsupportedModelError
 from .loading import disable_tf32
-from .structure import attention_module, decoder, layer_modules, output_projection
+from .probe import recording
+from .structure import decoder, layer_modules
 
 
 @dataclass
@@ -33,8 +35,11 @@ class LayerCapture:
     layer: int
     positions: torch.Tensor  # (n,) int64
     x: torch.Tensor  # (n, m)  the attention module's input = head input
-    heads: torch.Tensor  # (n, H, r)  per-head attention output = output projection's input
-    o: torch.Tensor  # (n, hidden)  output projection's output
+    heads: torch.Tensor  # (n, H, r)  per-head attention output (the attention function's)
+    # (n, hidden) the output projection's output; where a norm or gate sits between the heads
+    # and it (LayerConventions.output_direct False), the concatenated heads (n, H r): the write
+    # in head space, as layer_head's identity W_o takes it
+    o: torch.Tensor
     # (n, H): the model's own attention probability on each row's own key (the last key it
     # sees), from the eager attention's returned weights; only where requested
     self_mass: torch.Tensor | None = None
@@ -65,68 +70,40 @@ def _check_capture_model(model: Any) -> ModelInfo:
 
 @contextmanager
 def _hooks(model: Any, layers: Sequence[int], self_mass: bool = False) -> Iterator[dict]:
-    """Register recording hooks on each layer's attention module (its input ``hidden_states``)
-    and output projection (and, with ``self_mass``, on the attention's output: the eager
-    attention's own probabilities on the last key, which is each query's own key in a
-    single-token step); always remove them."""
-    mods = layer_modules(model)
-    who = getattr(model.config, "name_or_path", "") or type(model).__name__
-    keys = ("x", "heads", "o") + (("self_mass",) if self_mass else ())
-    rec: dict[int, dict[str, list]] = {L: {k: [] for k in keys} for L in layers}
-    handles = []
-
-    def on_attn(L: int) -> Callable:
-        def hook(mod: Any, args: Any, out: Any) -> None:
-            w = out[1] if isinstance(out, tuple) and len(out) > 1 else None
-            if w is None:
-                raise RuntimeError(f"layer {L}: the attention returned no weights (eager "
-                                   "attention is required to read the model's own self mass)")
-            rec[L]["self_mass"].append(w[..., -1].detach().transpose(1, 2))  # (B, q, H)
-        return hook
-
-    def on_input(L: int) -> Callable:
-        def hook(mod: Any, args: Any, kwargs: dict) -> None:
-            hs = kwargs.get("hidden_states", args[0] if args else None)
-            if not torch.is_tensor(hs):
-                raise RuntimeError(f"layer {L}: the attention was called without hidden_states")
-            rec[L]["x"].append(hs.detach())
-        return hook
-
-    def on_o(L: int) -> Callable:
-        def hook(mod: Any, args: Any, out: Any) -> None:
-            rec[L]["heads"].append(args[0].detach())
-            rec[L]["o"].append(out.detach())
-        return hook
-
-    try:
-        for L in layers:
-            attn = attention_module(mods[L], who, L)
-            handles.append(attn.register_forward_pre_hook(on_input(L), with_kwargs=True))
-            handles.append(output_projection(attn, who, L)[1].register_forward_hook(on_o(L)))
-            if self_mass:
-                handles.append(attn.register_forward_hook(on_attn(L)))
+    """Record each layer's attention input ``hidden_states``, the heads' output as the attention
+    function returns it (:func:`ropestep.models.probe.recording`: the output itself, not the
+    output projection's input, which a norm or gate may have changed), the output projection's
+    output and, with ``self_mass``, the attention's own probabilities on the last key (each
+    query's own key in a single-token step); every hook is removed on exit."""
+    keep = ("hidden", "output", "o_out") + (("weights",) if self_mass else ())
+    with recording(model, layers, keep=keep) as rec:
         yield rec
-    finally:
-        for h in handles:
-            h.remove()
 
 
 def _take(rec: dict, info: ModelInfo, calls: int,
           positions: torch.Tensor) -> dict[int, LayerCapture]:
-    """Check that every hook fired once per forward pass, then stack the records per layer."""
+    """Check that every layer's attention ran once per forward pass (its attention function
+    and its output projection included), then stack the records per layer."""
     out = {}
-    H, d = info.n_heads, info.head_dim
-    for L, r in rec.items():
-        got = {k: len(v) for k, v in r.items()}
-        if any(v != calls for v in got.values()):
+    H, r = info.n_heads, info.r
+    for L, rs in rec.items():
+        ok = [x for x in rs if x.kwargs.get("_seen") and x.hidden is not None
+              and x.output is not None and x.o_out is not None]
+        if len(rs) != calls or len(ok) != calls:
             raise RuntimeError(
-                f"{info.name}: layer {L} hooks fired {got} times for {calls} forward passes; "
-                f"the module path attention -> output projection was not taken")
-        x = torch.cat([t.reshape(-1, info.hidden) for t in r["x"]]).cpu()
-        hd = torch.cat([t.reshape(-1, H, d) for t in r["heads"]]).cpu()
-        o = torch.cat([t.reshape(-1, info.hidden) for t in r["o"]]).cpu()
-        sm = (torch.cat([t.reshape(-1, H) for t in r["self_mass"]]).cpu()
-              if "self_mass" in r else None)
+                f"{info.name}: layer {L}'s attention ran {len(rs)} times ({len(ok)} complete: "
+                f"input, attention function, output projection) for {calls} forward passes")
+        x = torch.cat([t.hidden.reshape(-1, t.hidden.shape[-1]) for t in rs]).cpu()
+        hd = torch.cat([t.output.reshape(-1, H, r) for t in rs]).cpu()
+        conv = info.layers[L] if info.layers else None
+        if conv is not None and not conv.output_direct:  # the write in head space (layer_head)
+            o = hd.reshape(hd.shape[0], H * r).clone()
+        else:
+            o = torch.cat([t.o_out.reshape(-1, t.o_out.shape[-1]) for t in rs]).cpu()
+        sm = None
+        if rs and rs[0].weights is not None:  # (B, H, q, N): the last key's probability
+            sm = torch.cat([t.weights[..., -1].transpose(1, 2).reshape(-1, H)
+                            for t in rs]).cpu()
         if not (x.shape[0] == hd.shape[0] == o.shape[0] == positions.shape[0]) or (
                 sm is not None and sm.shape[0] != x.shape[0]):
             raise RuntimeError(f"{info.name}: layer {L} captured {x.shape[0]} rows, expected "
@@ -134,6 +111,14 @@ def _take(rec: dict, info: ModelInfo, calls: int,
         out[L] = LayerCapture(layer=L, positions=positions.clone(), x=x, heads=hd, o=o,
                               self_mass=sm)
     return out
+
+
+def _take_self_mass(rec: dict, info: ModelInfo) -> None:
+    """Every call of a self-mass capture must have returned its attention probabilities."""
+    for L, rs in rec.items():
+        if any(t.weights is None for t in rs):
+            raise RuntimeError(f"layer {L}: the attention returned no weights (eager "
+                               "attention is required to read the model's own self mass)")
 
 
 def _ids(input_ids: Any, device: Any) -> torch.Tensor:
@@ -168,6 +153,14 @@ def _last_logits_kw(model: Any) -> dict:
         if name in params:
             return {name: 1}
     return {}
+
+
+def _repeatable(cache: Any) -> bool:
+    """The cache and every layer of it can be repeated along the batch (a hybrid's linear
+    attention or state-space layers may not: each candidate then steps on its own copy)."""
+    layers = getattr(cache, "layers", None) or []
+    return hasattr(cache, "batch_repeat_interleave") and all(
+        hasattr(ly, "batch_repeat_interleave") for ly in layers)
 
 
 def _out_cache(out: Any) -> Any:
@@ -251,7 +244,7 @@ def capture_continuations(model: Any, prefix_ids: Any,
             raise ValueError(f"candidate token ids must lie in [0, {vocab})")
         Q = int(cand.numel())
         with _hooks(model, Ls, self_mass=True) as rec:
-            if batched and hasattr(cache, "batch_repeat_interleave"):
+            if batched and _repeatable(cache):
                 # one forward: the prefix cache repeated Q times, one candidate token per row
                 step_cache = copy.deepcopy(cache)
                 step_cache.batch_repeat_interleave(Q)
@@ -267,6 +260,7 @@ def capture_continuations(model: Any, prefix_ids: Any,
                           **{ckw: step_cache}, **_last_logits_kw(model))
                 calls = Q
             del step_cache
+        _take_self_mass(rec, info)
         queries = _take(rec, info, calls, torch.full((Q,), n1))
     return ContinuationCapture(prefix_ids=ids.cpu(), candidates=cand, position=n1, logits=logits,
                                prefix=prefix, queries=queries)
@@ -319,10 +313,15 @@ def capture_block(model: Any, block_ids: Any, layers: int | Sequence[int],
         cache = _out_cache(out)
         if cache is None:
             raise RuntimeError(f"{info.name}: the forward pass returned no KV cache")
-        try:
-            cache.crop(-1)  # drop the observed token: the prefix's cache, positions 0..n-2
-        except RuntimeError:  # a sliding-window cache that already dropped keys cannot roll
-            # back: the prefix's cache from a forward over the prefix alone (no hooks)
+        rolled = False
+        if not info.others:  # only attention caches: drop the observed token's keys
+            try:
+                cache.crop(-1)  # the prefix's cache, positions 0..n-2
+                rolled = True
+            except RuntimeError:  # a sliding-window cache that already dropped keys
+                pass
+        if not rolled:  # cannot roll back (that, or a hybrid's recurrent state, which holds the
+            # observed token for good): the prefix's cache from a forward over the prefix alone
             out_p = base(input_ids=ids[None, :n - 1],
                          position_ids=torch.arange(n - 1, device=dev)[None], use_cache=True)
             cache = _out_cache(out_p)
@@ -337,7 +336,7 @@ def capture_block(model: Any, block_ids: Any, layers: int | Sequence[int],
         if int(cand.min()) < 0 or int(cand.max()) >= logits.shape[0]:
             raise ValueError(f"candidate token ids must lie in [0, {logits.shape[0]})")
         with _hooks(model, Ls, self_mass=True) as rec:
-            if batched and hasattr(cache, "batch_repeat_interleave"):
+            if batched and _repeatable(cache):
                 cache.batch_repeat_interleave(Q)
                 base(input_ids=cand.to(dev)[:, None],
                      position_ids=torch.full((Q, 1), n - 1, device=dev), use_cache=True,
@@ -349,6 +348,7 @@ def capture_block(model: Any, block_ids: Any, layers: int | Sequence[int],
                          position_ids=torch.tensor([[n - 1]], device=dev), use_cache=True,
                          **{ckw: copy.deepcopy(cache)})
                 calls = Q
+        _take_self_mass(rec, info)
         queries = _take(rec, info, calls, torch.full((Q,), n - 1))
     return BlockCapture(full=full, logits=logits, candidates=cand, queries=queries)
 

@@ -31,18 +31,18 @@ from __future__ import annotations
 import inspect
 import math
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
 from .. import tolerances as tl
 from ..spec import HeadSpec, HeadWeights, RoPESpec
-from .errors import UnsupportedModelError
+from .errors import UnsupportedModelError, adapter_errors
 from .layouts import candidates as layout_candidates
 from .layouts import project as project_part
-from .probe import AttentionRecord, probe_forward
-from .structure import (attention_module, layer_modules, model_name, onloaded,
-                        output_projection, rotary_modules)
+from .probe import AttentionRecord, probe_forward, probe_layers, tables
+from .structure import (attention_module, attention_modules, layer_modules, model_name,
+                        onloaded, output_projection, rotary_modules)
 
 F64 = torch.float64
 PROBE_TOKENS = 24  # tokens of the reading forward (windows below it are checked on the mask)
@@ -75,6 +75,15 @@ class LayerConventions:
     sinks: bool  # a learned per-head sink logit in the softmax denominator
     inv_freq: tuple[float, ...] = ()  # the rotary module's angular frequencies (R/2 of them)
     norm_scope: str = "head"  # QK-norm over each head ("head") or every head of a token ("all")
+    # the output projection's input is the heads' output itself (False: a norm, gate or scale
+    # sits between them -- BitNet's attn_sub_norm, Qwen3-Next's output gate -- so the heads'
+    # output is taken from the attention function and W_o's statements are not defined)
+    output_direct: bool = True
+    output_between: str = ""  # what sits between, where output_direct is False
+    # +1: the pair (a, b) turns as (a cos - b sin, b cos + a sin) (HF's rotate_half); -1: by the
+    # opposite angle (nanochat's rotate_half is cat(x2, -x1)) -- ropestep then swaps each pair's
+    # two dims in its head-dim order (:func:`_perm`), which turns it the usual way
+    sign: int = 1
 
     @property
     def score_scale(self) -> float:
@@ -86,7 +95,7 @@ class LayerConventions:
             "layer", "attention", "layout", "output", "rotary", "rotary_dim", "pairing", "tables",
             "amplitude", "scaling", "softcap", "window", "qk_norm", "norm_scope", "norm_eps",
             "qkv_bias",
-            "o_bias", "sinks")}
+            "o_bias", "sinks", "output_direct", "sign")}
         d["score_scale"] = self.score_scale
         return d
 
@@ -109,12 +118,31 @@ class ModelInfo:
     o_bias: bool
     max_positions: int
     rope_type: str = "default"
-    layers: tuple[LayerConventions, ...] = field(default=(), compare=False)
+    # per decoder layer: its conventions, or None for a layer that is not softmax attention
+    # (a hybrid's linear-attention, convolution or state-space layer; `others` says why)
+    layers: tuple[LayerConventions | None, ...] = field(default=(), compare=False)
+    others: tuple[tuple[int, str], ...] = field(default=(), compare=False)
+    v_dim: int | None = None  # value head dim r (None: head_dim)
 
     @property
     def group(self) -> int:
         """Query heads per KV head (HF ``num_key_value_groups``); head h reads KV h // group."""
         return self.n_heads // self.n_kv_heads
+
+    @property
+    def r(self) -> int:
+        return self.head_dim if self.v_dim is None else self.v_dim
+
+    @property
+    def softmax_layers(self) -> tuple[int, ...]:
+        """The decoder layers whose attention is read (every layer but a hybrid's others)."""
+        if not self.layers:
+            return tuple(range(self.n_layers))
+        return tuple(L for L, c in enumerate(self.layers) if c is not None)
+
+    def conventions(self) -> list[LayerConventions]:
+        """The read layers' conventions, in layer order."""
+        return [c for c in self.layers if c is not None]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -125,6 +153,12 @@ def _rope_parameters(config: Any) -> dict:
     if rp is None:
         rp = getattr(config, "rope_scaling", None)  # transformers < 5
     return dict(rp or {})
+
+
+# config attributes that say a model rotates (one of them, without a rope_theta, is enough to
+# read the model: its rotary module is then read from the model's own calls)
+ROPE_HINTS = ("rope_theta", "rope_parameters", "rotary_dim", "rotary_pct", "rotary_emb_base",
+              "partial_rotary_factor", "rope_scaling")
 
 
 def check_config(config: Any, name: str | None = None) -> ModelInfo:
@@ -145,9 +179,12 @@ def check_config(config: Any, name: str | None = None) -> ModelInfo:
         theta = rp.get("rope_theta", getattr(config, "rope_theta", None))
         rope_type = rp.get("rope_type", rp.get("type", "default"))
     if theta is None:
-        raise UnsupportedModelError(
-            f"{who}: model_type={mt!r} names no RoPE parameters (rope_theta): not a rotary "
-            "attention model")
+        if not any(getattr(config, a, None) is not None for a in ROPE_HINTS):
+            raise UnsupportedModelError(
+                f"{who}: model_type={mt!r} names no RoPE parameters ({', '.join(ROPE_HINTS)}): "
+                "not a rotary attention model")
+        theta = math.nan  # a rotary module that keeps its base to itself (GPT-J, CodeGen): the
+        # model's own rotary calls are read, not the config
     hidden = getattr(config, "hidden_size", None)
     H = getattr(config, "num_attention_heads", None)
     nl = getattr(config, "num_hidden_layers", None)
@@ -229,14 +266,17 @@ def _layout_tables(pc: torch.Tensor, pairing: str) -> torch.Tensor:
 
 
 def _rotations(forms: list[tuple[str, int]], cos: torch.Tensor, sin: torch.Tensor):
-    """Every (form, pairing, R, cos, sin) a layer could rotate with -- each table form with each
-    pairing, tables laid out as that pairing reads them -- then no rotation at all."""
-    for form, R in forms:
-        pc, ps = _per_pair(cos, form), _per_pair(sin, form)
-        for pairing in ("half", "interleaved"):
-            yield form, pairing, R, _layout_tables(pc, pairing), _layout_tables(ps, pairing)
+    """Every (form, pairing, sign, R, cos, sin) a layer could rotate with -- each table form
+    with each pairing, tables laid out as that pairing reads them, turning by the tables' angle
+    (sign +1) or its opposite (-1: ``sin`` negated) -- then no rotation at all."""
+    for sign in (1, -1):
+        for form, R in forms:
+            pc, ps = _per_pair(cos, form), _per_pair(sin, form) * sign
+            for pairing in ("half", "interleaved"):
+                yield form, pairing, sign, R, _layout_tables(pc, pairing), \
+                    _layout_tables(ps, pairing)
     empty = cos[:, :0]
-    yield "none", "half", 0, empty, empty
+    yield "none", "half", 1, 0, empty, empty
 
 
 def _partner(A: torch.Tensor, R: int, pairing: str) -> torch.Tensor:
@@ -251,12 +291,39 @@ def _partner(A: torch.Tensor, R: int, pairing: str) -> torch.Tensor:
     return torch.cat([Ar + p, Ap], -1)
 
 
+# the attribute names transformers gives per-head query/key norms, in pairs
+QK_NORM_NAMES = (("q_norm", "k_norm"), ("q_layernorm", "k_layernorm"),
+                 ("query_layernorm", "key_layernorm"), ("qk_norm", "qk_norm"))
+
+
+def qk_norms(attn: Any) -> tuple[Any, Any]:
+    """``(query norm, key norm)`` modules of an attention module (None where absent)."""
+    import torch.nn as nn
+
+    for qn, kn in QK_NORM_NAMES:
+        q, k = getattr(attn, qn, None), getattr(attn, kn, None)
+        if isinstance(q, nn.Module) or isinstance(k, nn.Module):
+            return q, k
+    return None, None
+
+
+def _norm_size(norm: Any) -> int | None:
+    """How many values a norm's weight scales (None: a weightless norm)."""
+    p = next(norm.parameters(), None)
+    return None if p is None else int(p.numel())
+
+
 def _norm_weight(norm: Any, d: int, what: str) -> tuple[torch.Tensor, float]:
     """``(g, eps)`` of a per-head RMS norm, probed: ``norm(z) = g z / sqrt(mean(z^2) + eps)``."""
     eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
     if eps is None:
         raise UnsupportedModelError(f"{what}: RMSNorm without an eps attribute")
-    p = next(norm.parameters())
+    p = next(norm.parameters(), None)
+    if p is None:  # a weightless norm (nanochat, Llama 4): read as g = 1 on probe vectors
+        ref = next(iter(norm.buffers()), None)
+        like = ref if ref is not None and ref.is_floating_point() else torch.zeros(
+            (), dtype=torch.get_default_dtype())
+        p = torch.ones(d, dtype=like.dtype, device=like.device)
     if p.numel() != d:  # a reading whose norm scope the module does not have
         raise UnsupportedModelError(f"{what}: the module normalises {p.numel()} values, the "
                                     f"reading {d} (norm scope read wrong)")
@@ -291,7 +358,7 @@ def _table_call(model: Any, positions: torch.Tensor, like: torch.Tensor, name: s
     mod = dict(rotary_modules(model))[name]
     kw = {} if layer_type is None else {"layer_type": layer_type}
     with torch.no_grad():
-        c, s = mod(like, positions[None].to(like.device), **kw)
+        c, s = tables(mod(like, positions[None].to(like.device), **kw))
     return c.reshape(-1, c.shape[-1]), s.reshape(-1, s.shape[-1])
 
 
@@ -410,23 +477,23 @@ def _read_layer(model: Any, info: ModelInfo, L: int, r: AttentionRecord) -> Laye
             f"{who}: layer {L}'s RoPE tables are not produced by any rotary module of the model")
     rot_name = match[0] + ("" if match[1] is None else f"(layer_type={match[1]!r})")
     # QK-norm
-    norms = [getattr(attn, nm, None) for nm in ("q_norm", "k_norm")]
+    norms = qk_norms(attn)
     qk_norm, eps, scope = False, math.nan, "head"
     gq = gk = None
     if any(nm is not None for nm in norms):
         if any(nm is None for nm in norms):
             raise UnsupportedModelError(f"{who}: layer {L} normalises only one of q and k")
-        sizes = tuple(int(next(nm.parameters()).numel()) for nm in norms)
-        if sizes == (d, d):
+        sizes = tuple(_norm_size(nm) for nm in norms)
+        if sizes == (d, d) or sizes == (None, None):  # weightless: one head (checked below)
             scope = "head"
         elif sizes == (H * d, Hk * d):
             scope = "all"  # one RMS over every head of a token, before the head split
         else:
             raise UnsupportedModelError(
-                f"{who}: layer {L}'s q_norm/k_norm act on {sizes} features: neither one head "
+                f"{who}: layer {L}'s q/k norms act on {sizes} features: neither one head "
                 f"({d}) nor every head ({H * d}, {Hk * d})")
-        (gq, eq), (gk, ek) = (_norm_weight(nm, sz, f"{who}: layer {L} {w}")
-                              for nm, sz, w in zip(norms, sizes, ("q_norm", "k_norm")))
+        (gq, eq), (gk, ek) = (_norm_weight(nm, d if sz is None else sz, f"{who}: layer {L} {w}")
+                              for nm, sz, w in zip(norms, sizes, ("q norm", "k norm")))
         if eq != ek:
             raise UnsupportedModelError(f"{who}: layer {L} q_norm eps {eq} != k_norm eps {ek}")
         qk_norm, eps = True, eq
@@ -442,7 +509,7 @@ def _read_layer(model: Any, info: ModelInfo, L: int, r: AttentionRecord) -> Laye
     tries: list[str] = []
     chosen = None
     for lname, parts in layout_candidates(attn, H, Hk, d, rv).items():
-        for form, pairing, Rr, ct, st in _rotations(forms, cos, sin):
+        for form, pairing, sgn, Rr, ct, st in _rotations(forms, cos, sin):
             ok, worst = True, []
             for nm, heads, dim, ref, g in (("q", H, d, model_q, gq), ("k", Hk, d, model_k, gk),
                                            ("v", Hk, rv, model_v, None)):
@@ -470,9 +537,10 @@ def _read_layer(model: Any, info: ModelInfo, L: int, r: AttentionRecord) -> Laye
                 worst.append(f"{nm} {float(err.max()):.2e} (bound {float(E.max()):.2e})")
                 if not bool((err <= E).all()):
                     ok = False
-            tries.append(f"{lname}/{pairing if Rr else 'unrotated'}: " + ", ".join(worst))
+            how = (pairing + ("" if sgn > 0 else " reversed")) if Rr else "unrotated"
+            tries.append(f"{lname}/{how}: " + ", ".join(worst))
             if ok:
-                chosen = (lname, pairing, Rr, parts, form)
+                chosen = (lname, pairing, Rr, parts, form, sgn)
                 break
         if chosen:
             break
@@ -480,7 +548,7 @@ def _read_layer(model: Any, info: ModelInfo, L: int, r: AttentionRecord) -> Laye
         raise UnsupportedModelError(
             f"{who}: layer {L}: no projection layout and rotation reproduces the module's own "
             f"rotated queries, keys and values ({'; '.join(tries) or 'no known layout fits'})")
-    lname, pairing, Rr, parts, form = chosen
+    lname, pairing, Rr, parts, form, sgn = chosen
     # score: scale, soft-cap, window, sinks -- read from the eager call, checked on its output
     kw = r.kwargs
     scaling = kw.get("scaling")
@@ -530,6 +598,7 @@ def _read_layer(model: Any, info: ModelInfo, L: int, r: AttentionRecord) -> Laye
                 f"{who}: layer {L}'s eager output differs from softmax(scaling q k^T"
                 f"{', soft-capped' if softcap else ''}, masked{', with sinks' if sinks else ''})"
                 f" v by {rel:.2e} relative (bound {tol:.2e}): its score is not the one read")
+    direct, between = _output_path(r, who, L)
     inv = ()
     rmod = dict(rotary_modules(model)).get(match[0])
     fr = getattr(rmod, "inv_freq", None)
@@ -544,7 +613,24 @@ def _read_layer(model: Any, info: ModelInfo, L: int, r: AttentionRecord) -> Laye
         scaling=scaling, softcap=softcap, window=window, qk_norm=qk_norm, norm_scope=scope,
         norm_eps=eps,
         qkv_bias=parts["q"][1] is not None, o_bias=out_lin.bias is not None, sinks=sinks,
-        inv_freq=inv)
+        inv_freq=inv, output_direct=direct, output_between=between, sign=sgn)
+
+
+def _output_path(r: AttentionRecord, who: str, L: int) -> tuple[bool, str]:
+    """Whether the output projection's input is the attention function's output itself
+    (bit for bit, as ``reshape`` leaves it), and if not, what differs."""
+    if r.output is None or r.o_in is None:
+        raise UnsupportedModelError(f"{who}: layer {L}'s output projection did not run on the "
+                                    "attention's output in the reading forward")
+    out, o_in = r.output.reshape(-1), r.o_in.reshape(-1)
+    if out.numel() == o_in.numel() and torch.equal(out, o_in):
+        return True, ""
+    if out.numel() != o_in.numel():
+        return False, (f"the output projection reads {o_in.numel() // max(1, r.output.shape[1])}"
+                       f" values per token, the heads give {r.output[0, 0].numel()}")
+    rel = _rel(o_in.to("cpu", F64), out.to("cpu", F64))
+    return False, ("a norm, gate or scale sits between the heads' output and the output "
+                   f"projection (its input differs by {rel:.2e} relative)")
 
 
 def _state(mod: Any) -> tuple:
@@ -567,13 +653,12 @@ def _fingerprint(model: Any) -> tuple:
     import sys
 
     parts: list = [getattr(model.config, "_attn_implementation", None), model.training]
-    who = model_name(model)
-    for L, layer in enumerate(layer_modules(model)):
-        attn = attention_module(layer, who, L)
+    for layer in layer_modules(model):
         parts.append(id(layer.forward) if "forward" in vars(layer) else None)
-        parts.extend(_state(m) for m in attn.modules())
-        mm = sys.modules.get(type(attn).__module__)
-        parts.append(id(getattr(mm, "eager_attention_forward", None)))
+        for _, attn in attention_modules(layer):
+            parts.extend(_state(m) for m in attn.modules())
+            mm = sys.modules.get(type(attn).__module__)
+            parts.append(id(getattr(mm, "eager_attention_forward", None)))
     parts.extend(_state(m) for _, r in rotary_modules(model) for m in r.modules())
     return tuple(parts)
 
@@ -584,20 +669,50 @@ def describe_model(model_or_config: Any, *, fresh: bool = False) -> ModelInfo:
 
     The reading is kept on the model with a fingerprint of everything it read (the attention
     and rotary modules' attributes and tensors, the eager functions); any change there -- or
-    ``fresh=True`` -- reads again.
+    ``fresh=True`` -- reads again.  Whatever goes wrong inside the reading is one
+    :class:`UnsupportedModelError` line naming the model and the reason (never a traceback).
     """
     config = getattr(model_or_config, "config", model_or_config)
-    info = check_config(config)
+    with adapter_errors(model_name(config), "reading the config"):
+        info = check_config(config)
     if config is model_or_config:
         return info
     model = model_or_config
-    fp = _fingerprint(model)
-    cached = model.__dict__.get("_ropestep_conventions")
-    if not fresh and cached is not None and cached[0] == fp and cached[1].name == info.name:
-        return cached[1]
-    out = _read_model(model, info)
+    if model.training:
+        raise RuntimeError(f"{info.name}: call model.eval() before reading conventions (dropout)")
+    with adapter_errors(info.name, "reading the attention conventions"):
+        fp = _fingerprint(model)
+        cached = model.__dict__.get("_ropestep_conventions")
+        if not fresh and cached is not None and cached[0] == fp and cached[1].name == info.name:
+            return cached[1]
+        out = _read_model(model, info)
     model.__dict__["_ropestep_conventions"] = (fp, out)
     return out
+
+
+def _sizes(info: ModelInfo, recs: dict[int, AttentionRecord]) -> ModelInfo:
+    """Head count, KV head count, head_dim and value dim from the tensors the softmax layers'
+    attention functions received -- not from config attributes an architecture may ignore --
+    the same in every read layer."""
+    got = {}
+    for L, r in recs.items():
+        if r.query is None or r.key is None or r.value is None or r.query.dim() != 4:
+            raise UnsupportedModelError(f"{info.name}: layer {L}'s attention function was not "
+                                        "given (batch, heads, tokens, dim) queries, keys, values")
+        got[L] = (int(r.query.shape[1]), int(r.key.shape[1]), int(r.query.shape[-1]),
+                  int(r.value.shape[-1]))
+    sizes = set(got.values())
+    if len(sizes) != 1:
+        raise UnsupportedModelError(
+            f"{info.name}: the softmax layers differ in (heads, KV heads, head_dim, value dim): "
+            + ", ".join(f"layer {L} {v}" for L, v in got.items()))
+    H, Hk, d, r = sizes.pop()
+    if H % Hk:
+        raise UnsupportedModelError(f"{info.name}: the attention has {Hk} KV heads for {H} "
+                                    "query heads (not a divisor)")
+    if d % 2:
+        raise UnsupportedModelError(f"{info.name}: RoPE needs an even head_dim, got {d}")
+    return replace(info, n_heads=H, n_kv_heads=Hk, head_dim=d, v_dim=None if r == d else r)
 
 
 def _read_model(model: Any, info: ModelInfo) -> ModelInfo:
@@ -606,9 +721,20 @@ def _read_model(model: Any, info: ModelInfo) -> ModelInfo:
         raise UnsupportedModelError(f"{info.name}: {n} decoder layers, config says {info.n_layers}")
     if model.training:
         raise RuntimeError(f"{info.name}: call model.eval() before reading conventions (dropout)")
-    recs = probe_forward(model, PROBE_TOKENS)
-    layers = tuple(read_layer(model, info, L, recs[L]) for L in range(n))
-    unseen = [c for c in layers if c.window is not None and c.window >= PROBE_TOKENS]
+    recs, others = probe_layers(model, PROBE_TOKENS)
+    if not recs:
+        L, why = next(iter(others.items()))
+        raise UnsupportedModelError(
+            f"{info.name}: no layer computes softmax attention the adapter can read (layer {L}: "
+            f"{why})")
+    info = _sizes(info, recs)
+    read: dict[int, LayerConventions] = {}
+    for L, r in recs.items():
+        with adapter_errors(info.name, f"reading layer {L} "
+                            f"({type(attention_module(layer_modules(model)[L], info.name, L)).__name__})"):
+            read[L] = read_layer(model, info, L, r)
+    layers = tuple(read.get(L) for L in range(n))
+    unseen = [c for c in read.values() if c.window is not None and c.window >= PROBE_TOKENS]
     wide = max((c.window for c in unseen), default=0)
     if unseen and wide <= WINDOW_PROBE_MAX:
         n2 = wide + 1
@@ -621,19 +747,42 @@ def _read_model(model: Any, info: ModelInfo) -> ModelInfo:
                 raise UnsupportedModelError(
                     f"{info.name}: layer {c.layer} names sliding_window={c.window} but its mask "
                     f"over {n2} tokens is not that causal window")
-    return replace(info, family="qknorm" if any(c.qk_norm for c in layers) else "dot",
-                   qkv_bias=any(c.qkv_bias for c in layers),
-                   o_bias=any(c.o_bias for c in layers), layers=layers,
-                   rms_eps=next((c.norm_eps for c in layers if c.qk_norm), info.rms_eps))
+    convs = list(read.values())
+    return replace(info, family="qknorm" if any(c.qk_norm for c in convs) else "dot",
+                   qkv_bias=any(c.qkv_bias for c in convs),
+                   o_bias=any(c.o_bias for c in convs), layers=layers,
+                   others=tuple(others.items()),
+                   rms_eps=next((c.norm_eps for c in convs if c.qk_norm), info.rms_eps))
 
 
 def check_layer_index(info: ModelInfo, layer: int) -> int:
+    """``layer`` as a valid index of a read layer: an int in range, and -- once the model is
+    read -- a softmax-attention layer (a hybrid's other layers are refused, with the reason)."""
     if isinstance(layer, bool) or not isinstance(layer, int):
         raise TypeError(f"layer must be an int, got {type(layer).__name__}")
     if not 0 <= layer < info.n_layers:
         raise IndexError(f"{info.name}: layer {layer} out of range; valid layers are "
                          f"0..{info.n_layers - 1}")
+    if info.layers and info.layers[layer] is None:
+        raise UnsupportedModelError(
+            f"{info.name}: layer {layer} is not softmax attention ({dict(info.others)[layer]}); "
+            f"softmax-attention layers: {_ranges(info.softmax_layers)}")
     return layer
+
+
+def _ranges(ls: Sequence[int]) -> str:
+    """``0-3, 7, 9-11``."""
+    out, run = [], []
+    for L in ls:
+        if run and L == run[-1] + 1:
+            run.append(L)
+            continue
+        if run:
+            out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else f"{run[0]}")
+        run = [L]
+    if run:
+        out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else f"{run[0]}")
+    return ", ".join(out)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -642,13 +791,24 @@ def check_layer_index(info: ModelInfo, layer: int) -> int:
 def _perm(conv: LayerConventions, d: int) -> torch.Tensor:
     """Head-dim order that makes the layer's rotation ropestep's: for ``half`` pairing with
     ``R < d``, the rotary halves and the pass-through halves are interleaved so that dim ``l``
-    pairs with ``l + d/2`` (pass-through pairs rotate by angle 0); otherwise the identity."""
+    pairs with ``l + d/2`` (pass-through pairs rotate by angle 0); a layer that turns by the
+    opposite angle (``sign = -1``) has each rotated pair's two dims swapped, since turning
+    ``(b, a)`` by ``theta`` is turning ``(a, b)`` by ``-theta``; otherwise the identity."""
     R = conv.rotary_dim
-    if conv.pairing != "half" or R in (0, d):
+    rev = conv.sign < 0 and R > 0  # swap each rotated pair's two dims (the opposite angle)
+    if conv.pairing != "half":
+        if not rev:
+            return torch.arange(d)
+        out = torch.arange(d)
+        out[:R] = torch.arange(R).view(-1, 2).flip(-1).reshape(-1)
+        return out
+    if R == 0:
         return torch.arange(d)
+    first, second = torch.arange(R // 2), R // 2 + torch.arange(R // 2)
+    if rev:
+        first, second = second, first
     P = d - R
-    return torch.cat([torch.arange(R // 2), R + torch.arange(P // 2),
-                      R // 2 + torch.arange(R // 2), R + P // 2 + torch.arange(P // 2)])
+    return torch.cat([first, R + torch.arange(P // 2), second, R + P // 2 + torch.arange(P // 2)])
 
 
 def rope_tables(model: Any, n_positions: int, layer: int = 0, *,
@@ -699,7 +859,11 @@ def layer_head(model: Any, layer: int, n_positions: int, *, dtype: torch.dtype =
     ``b_q: (H, d)``, ``w_k``/``w_v``: ``(m, H_kv, d)``, ``w_o: (H, r, hidden)``, ``b_o:
     (hidden,)`` (``None`` where the model has no bias), as ``dtype`` tensors on ``device``
     (float64 by default: the conversion from the model's weights is exact), in the head-dim
-    order of :func:`_perm` (partial rotary).  RoPE: :func:`rope_tables`; the score scale is the
+    order of :func:`_perm` (partial rotary).  Where a norm or gate sits between the heads and the
+    output projection (``conv.output_direct`` False: BitNet, Qwen3-Next) ``w_o`` is the identity
+    on the concatenated heads ``(H, r, H r)`` and ``b_o`` None: the write is taken in head space
+    (:func:`ropestep.models.capture` then gives the concatenated heads as the write ``o``).
+    RoPE: :func:`rope_tables`; the score scale is the
     layer's ``scaling`` times ``a^2``; soft-capping and the sliding window (``spec.window``:
     keys at distance ``>= window`` leave every permitted set) as the layer's.  A layer with
     attention sinks is refused (not modelled by the layer paths).
@@ -713,38 +877,47 @@ def layer_head(model: Any, layer: int, n_positions: int, *, dtype: torch.dtype =
             f"{who}: layer {layer} has attention sinks (a learned logit in the softmax "
             "denominator), which the layer paths do not model")
     attn = attention_module(layer_modules(model)[layer], who, layer)
-    H, Hk, d, m = info.n_heads, info.n_kv_heads, info.head_dim, info.hidden
+    H, Hk, d, m, r = info.n_heads, info.n_kv_heads, info.head_dim, info.hidden, info.r
     with onloaded(attn):  # offloaded weights (accelerate) are read in, for this layer only
-        parts = layout_candidates(attn, H, Hk, d, d)[conv.layout]
+        parts = layout_candidates(attn, H, Hk, d, r)[conv.layout]
         _, out = output_projection(attn, who, layer)
         cos, sin = rope_tables(model, n_positions, layer, info=info)
         perm = _perm(conv, d)
 
-        def w(part: tuple, heads: int, rotated: bool) -> torch.Tensor:  # (out, in) -> (m, heads, d)
-            wt = part[0].detach().T.reshape(m, heads, d)
+        def w(part: tuple, heads: int, dim: int, rotated: bool) -> torch.Tensor:
+            wt = part[0].detach().T.reshape(m, heads, dim)  # (out, in) -> (m, heads, dim)
             if rotated:
                 wt = wt[..., perm]
             return wt.to(device=device, dtype=dtype).contiguous()
 
-        def b(part: tuple, heads: int, rotated: bool) -> torch.Tensor | None:
+        def b(part: tuple, heads: int, dim: int, rotated: bool) -> torch.Tensor | None:
             if part[1] is None:
                 return None
-            bt = part[1].detach().reshape(heads, d)
+            bt = part[1].detach().reshape(heads, dim)
             if rotated:
                 bt = bt[..., perm]
             return bt.to(device=device, dtype=dtype).contiguous()
 
+        direct = conv.output_direct
         weights = HeadWeights(
-            w_q=w(parts["q"], H, True), w_k=w(parts["k"], Hk, True), w_v=w(parts["v"], Hk, False),
-            b_q=b(parts["q"], H, True), b_k=b(parts["k"], Hk, True), b_v=b(parts["v"], Hk, False),
-            w_o=out.weight.detach().T.reshape(H, d, m).to(device=device, dtype=dtype).contiguous(),
-            b_o=None if out.bias is None else out.bias.detach().to(device=device, dtype=dtype),
+            w_q=w(parts["q"], H, d, True), w_k=w(parts["k"], Hk, d, True),
+            w_v=w(parts["v"], Hk, r, False),
+            b_q=b(parts["q"], H, d, True), b_k=b(parts["k"], Hk, d, True),
+            b_v=b(parts["v"], Hk, r, False),
+            # W_o where its input is the heads' output; where a norm or gate sits in between,
+            # the write is taken in head space: W_o the identity on the concatenated heads
+            w_o=(out.weight.detach().T.reshape(H, r, -1).to(device=device, dtype=dtype)
+                 .contiguous() if direct else
+                 torch.eye(H * r, dtype=dtype, device=device).reshape(H, r, H * r)),
+            b_o=(out.bias.detach().to(device=device, dtype=dtype)
+                 if direct and out.bias is not None else None),
         )
         norm_eps = 1e-6
         if conv.qk_norm:
             full = conv.norm_scope == "all"
-            gq, _ = _norm_weight(attn.q_norm, H * d if full else d, f"{who}: layer {layer} q_norm")
-            gk, _ = _norm_weight(attn.k_norm, Hk * d if full else d, f"{who}: layer {layer} k_norm")
+            qn, kn = qk_norms(attn)
+            gq, _ = _norm_weight(qn, H * d if full else d, f"{who}: layer {layer} q norm")
+            gk, _ = _norm_weight(kn, Hk * d if full else d, f"{who}: layer {layer} k norm")
             if full:
                 gq, gk = gq.view(H, d), gk.view(Hk, d)
             weights.q_norm = gq[..., perm].to(device=device, dtype=dtype)
@@ -754,7 +927,7 @@ def layer_head(model: Any, layer: int, n_positions: int, *, dtype: torch.dtype =
     if conv.rotary_dim == 0 or conv.inv_freq:
         freqs = tuple(conv.inv_freq) + (0.0,) * (d // 2 - len(conv.inv_freq))
     spec = HeadSpec(
-        n_heads=H, n_kv_heads=Hk, head_dim=d,
+        n_heads=H, n_kv_heads=Hk, head_dim=d, v_dim=None if r == d else r,
         rope=RoPESpec(base=info.rope_theta if math.isfinite(info.rope_theta) else 10000.0,
                       layout="half" if conv.pairing == "half" else "interleaved",
                       cos=cos.to(dtype), sin=sin.to(dtype), freqs=freqs),

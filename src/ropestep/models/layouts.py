@@ -6,7 +6,9 @@ does not say how its rows split), so each layout known to transformers is one en
 * ``separate`` -- ``q_proj``, ``k_proj``, ``v_proj`` (Llama, Qwen, Mistral, Gemma, Phi, ...);
 * ``fused`` -- one ``qkv_proj`` whose rows are ``[q heads; k heads; v heads]`` (Phi-3);
 * ``per_head`` -- one ``query_key_value`` whose rows are, head by head, ``[q_h; k_h; v_h]``
-  (GPT-NeoX: ``view(..., -1, 3 d).chunk(3)``).
+  (GPT-NeoX: ``view(..., -1, 3 d).chunk(3)``);
+* ``gated`` -- ``q_proj`` rows, head by head, ``[q_h; g_h]``: the query and an output gate
+  (Qwen3-Next), keys and values separate.
 
 Every layout that fits a module's attributes is a *candidate*; :mod:`ropestep.models.conventions`
 keeps the one whose queries, keys and values reproduce the module's own (the tensors its eager
@@ -40,6 +42,20 @@ def separate(attn: Any, H: int, Hk: int, d: int, r: int) -> dict | None:
     if (q.out_features, k.out_features, v.out_features) != (H * d, Hk * d, Hk * r):
         return None
     return {"q": _wb(q, slice(None)), "k": _wb(k, slice(None)), "v": _wb(v, slice(None))}
+
+
+def gated(attn: Any, H: int, Hk: int, d: int, r: int) -> dict | None:
+    """``q_proj`` holding, head by head, the query and an output gate ``[q_h; g_h]`` (Qwen3-Next:
+    ``view(..., -1, 2 d).chunk(2)``); keys and values as ``separate``."""
+    import torch
+
+    q, k, v = _lin(attn, "q_proj"), _lin(attn, "k_proj"), _lin(attn, "v_proj")
+    if q is None or k is None or v is None:
+        return None
+    if (q.out_features, k.out_features, v.out_features) != (2 * H * d, Hk * d, Hk * r):
+        return None
+    rows = (torch.arange(H)[:, None] * 2 * d + torch.arange(d)[None]).reshape(-1)
+    return {"q": _wb(q, idx=rows), "k": _wb(k, slice(None)), "v": _wb(v, slice(None))}
 
 
 def fused(attn: Any, H: int, Hk: int, d: int, r: int) -> dict | None:
@@ -79,7 +95,7 @@ def project(part: tuple, x: Any, heads: int) -> tuple[Any, Any]:
 
 
 LAYOUTS: dict[str, Callable[..., dict | None]] = {
-    "separate": separate, "fused": fused, "per_head": per_head}
+    "separate": separate, "fused": fused, "per_head": per_head, "gated": gated}
 
 
 def candidates(attn: Any, H: int, Hk: int, d: int, r: int) -> dict[str, dict]:

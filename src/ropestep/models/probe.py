@@ -24,7 +24,7 @@ from typing import Any, Iterator, Sequence
 import torch
 
 from .errors import UnsupportedModelError
-from .structure import attention_module, layer_modules, model_name
+from .structure import attention_module, attention_modules, layer_modules, model_name
 
 EAGER = "eager_attention_forward"
 
@@ -43,6 +43,20 @@ class AttentionRecord:
     kwargs: dict = field(default_factory=dict)  # scaling, softcap, sliding_window, s_aux, ...
     output: torch.Tensor | None = None  # (B, n, H, r) the eager function's output
     weights: torch.Tensor | None = None  # (B, H, n, N) its attention probabilities
+    o_in: torch.Tensor | None = None  # the output projection's input (kept on request)
+    o_out: torch.Tensor | None = None  # the output projection's output (kept on request)
+
+
+def tables(pe: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(cos, sin)`` of a layer's ``position_embeddings``: the usual pair, or one complex tensor
+    ``e^{i p omega}`` (Llama 4's ``freqs_cis``: one entry per rotated pair), split into its real
+    and imaginary parts."""
+    if torch.is_tensor(pe):
+        if not pe.is_complex():
+            raise UnsupportedModelError("position_embeddings is one real tensor, neither a "
+                                        "(cos, sin) pair nor complex rotations")
+        return pe.real.detach(), pe.imag.detach()
+    return pe[0].detach(), pe[1].detach()
 
 
 def _bind(fn: Any, args: tuple, kwargs: dict) -> dict:
@@ -65,8 +79,9 @@ def recording(model: Any, layers: Sequence[int], *, keep: Sequence[str] = (
     """Record every attention call of ``layers`` (one :class:`AttentionRecord` per call).
 
     Only the fields named in ``keep`` are kept (the others stay ``None``/empty), so a capture over
-    a long sequence does not hold every layer's probabilities.  The modeling modules' globals and
-    the hooks are restored on exit, whatever happens inside.
+    a long sequence does not hold every layer's probabilities; ``"o_in"``/``"o_out"`` (not kept
+    by default) add a hook on the layer's output projection that keeps its input/output.  The
+    modeling modules' globals and the hooks are restored on exit, whatever happens inside.
     """
     who = model_name(model)
     mods = layer_modules(model)
@@ -94,7 +109,7 @@ def recording(model: Any, layers: Sequence[int], *, keep: Sequence[str] = (
                 r.hidden = hs.detach()
             pe = a.get("position_embeddings")
             if pe is not None and ("cos" in keep or "sin" in keep):
-                r.cos, r.sin = pe[0].detach(), pe[1].detach()
+                r.cos, r.sin = tables(pe)
             rec[L].append(r)
         return hook
 
@@ -134,12 +149,31 @@ def recording(model: Any, layers: Sequence[int], *, keep: Sequence[str] = (
             return out
         return wrapper
 
+    def o_hook(L: int):
+        def hook(mod: Any, args: tuple, out: Any) -> None:
+            if not rec[L]:
+                return
+            r = rec[L][-1]
+            if "o_in" in keep and args and torch.is_tensor(args[0]):
+                r.o_in = args[0].detach()
+            if "o_out" in keep and torch.is_tensor(out):
+                r.o_out = out.detach()
+        return hook
+
     try:
         for name, mm in modules.items():
             setattr(mm, EAGER, wrapper_for(originals[name]))
         for L in rec:
             attn = attention_module(mods[L], who, L)
             handles.append(attn.register_forward_pre_hook(pre_hook(L, attn), with_kwargs=True))
+            if "o_in" in keep or "o_out" in keep:
+                from .structure import output_projection
+
+                try:
+                    out_lin = output_projection(attn, who, L)[1]
+                except UnsupportedModelError:
+                    continue  # the reading refuses the layer, naming what it found
+                handles.append(out_lin.register_forward_hook(o_hook(L)))
         yield rec
     finally:
         for h in handles:
@@ -148,32 +182,48 @@ def recording(model: Any, layers: Sequence[int], *, keep: Sequence[str] = (
             setattr(mm, EAGER, originals[name])
 
 
-def probe_forward(model: Any, n_tokens: int = 12, *, layers: Sequence[int] | None = None,
-                  seed: int = 0, keep: Sequence[str] | None = None
-                  ) -> dict[int, AttentionRecord]:
-    """One batch-1 eager forward over ``n_tokens`` seeded token ids at positions ``0..n-1``,
-    every layer's first attention call recorded (the conventions are read from it)."""
-    impl = getattr(model.config, "_attn_implementation", None)
-    who = model_name(model)
-    if impl != "eager":
-        raise UnsupportedModelError(
-            f"{who}: reading conventions needs attn_implementation='eager', the model uses "
-            f"{impl!r}")
-    Ls = list(range(len(layer_modules(model)))) if layers is None else [int(L) for L in layers]
+def eager_module(attn: Any) -> Any:
+    """The modeling module of ``attn``'s class when it defines ``eager_attention_forward``."""
+    mm = sys.modules.get(type(attn).__module__)
+    return mm if mm is not None and callable(getattr(mm, EAGER, None)) else None
+
+
+def _forward(model: Any, n_tokens: int, seed: int) -> None:
     vocab = int(model.get_input_embeddings().weight.shape[0])
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, vocab, (1, n_tokens), generator=g)
     dev = next(model.parameters()).device
+    who = model_name(model)
+    try:
+        model(input_ids=ids.to(dev), position_ids=torch.arange(n_tokens, device=dev)[None],
+              use_cache=False)
+    except (RuntimeError, ValueError, TypeError, IndexError, KeyError, AttributeError,
+            AssertionError) as err:
+        text = " ".join(str(err).split())[:200]
+        raise UnsupportedModelError(
+            f"{who}: the forward that reads the conventions failed: "
+            f"{type(err).__name__}: {text}") from None
+
+
+def _check_eager(model: Any) -> None:
+    impl = getattr(model.config, "_attn_implementation", None)
+    if impl != "eager":
+        raise UnsupportedModelError(
+            f"{model_name(model)}: reading conventions needs attn_implementation='eager', the "
+            f"model uses {impl!r}")
+
+
+def probe_forward(model: Any, n_tokens: int = 12, *, layers: Sequence[int] | None = None,
+                  seed: int = 0, keep: Sequence[str] | None = None
+                  ) -> dict[int, AttentionRecord]:
+    """One batch-1 eager forward over ``n_tokens`` seeded token ids at positions ``0..n-1``,
+    every requested layer's first attention call recorded (each must run its attention once)."""
+    _check_eager(model)
+    who = model_name(model)
+    Ls = list(range(len(layer_modules(model)))) if layers is None else [int(L) for L in layers]
     kw = {} if keep is None else {"keep": tuple(keep)}
     with recording(model, Ls, **kw) as rec, torch.no_grad():
-        try:
-            model(input_ids=ids.to(dev), position_ids=torch.arange(n_tokens, device=dev)[None],
-                  use_cache=False)
-        except (RuntimeError, ValueError, TypeError, IndexError) as err:
-            text = " ".join(str(err).split())[:200]
-            raise UnsupportedModelError(
-                f"{who}: the forward that reads the conventions failed: "
-                f"{type(err).__name__}: {text}") from None
+        _forward(model, n_tokens, seed)
     out = {}
     for L, rs in rec.items():
         if len(rs) != 1 or not rs[0].kwargs.get("_seen"):
@@ -182,3 +232,57 @@ def probe_forward(model: Any, n_tokens: int = 12, *, layers: Sequence[int] | Non
                 f"({'with' if rs and rs[0].kwargs.get('_seen') else 'without'} {EAGER}); expected once")
         out[L] = rs[0]
     return out
+
+
+def probe_layers(model: Any, n_tokens: int = 12, *, seed: int = 0
+                 ) -> tuple[dict[int, AttentionRecord], dict[int, str]]:
+    """Every decoder layer classified on one forward (:func:`probe_forward`'s tokens):
+    ``(records, others)`` -- the record of each layer whose attention module computed softmax
+    attention once in ``eager_attention_forward`` (the output projection's input and output
+    kept too), and for every other layer why it is not read: no attention module (a hybrid's
+    linear-attention, convolution or state-space layer), an attention module whose scores are
+    not computed by that function, or one that never called it (linear attention).  An
+    attention module that called it more than once (differential attention) is refused."""
+    _check_eager(model)
+    who = model_name(model)
+    mods = layer_modules(model)
+    others: dict[int, str] = {}
+    cand = []
+    for L, layer in enumerate(mods):
+        found = attention_modules(layer)
+        if len(found) != 1:
+            kids = ", ".join(f"{type(c).__name__}" for _, c in layer.named_children()
+                             if not is_norm_like(c))
+            others[L] = (f"no attention module ({kids})" if not found else
+                         f"{len(found)} attention modules ({', '.join(n for n, _ in found)})")
+            continue
+        attn = found[0][1]
+        if eager_module(attn) is None:
+            others[L] = (f"{type(attn).__name__} does not compute its scores in "
+                         f"{type(attn).__module__}.{EAGER}")
+            continue
+        cand.append(L)
+    keep = ("hidden", "cos", "sin", "query", "key", "value", "mask", "kwargs", "output",
+            "weights", "o_in", "o_out")
+    with recording(model, cand, keep=keep) as rec, torch.no_grad():
+        _forward(model, n_tokens, seed)
+    out = {}
+    for L, rs in rec.items():
+        seen = [r for r in rs if r.kwargs.get("_seen")]
+        if not rs:  # bypassed: a layer that exists but did not run its attention at all
+            raise UnsupportedModelError(
+                f"{who}: layer {L}'s attention ran 0 times in one forward; expected once")
+        if not seen:
+            attn = attention_module(mods[L], who, L)
+            others[L] = (f"{type(attn).__name__} ran without calling {EAGER} (not softmax "
+                         "attention: linear or other attention)")
+            continue
+        if len(rs) != 1:
+            raise UnsupportedModelError(
+                f"{who}: layer {L}'s attention ran {len(rs)} times in one forward; expected once")
+        out[L] = rs[0]
+    return out, dict(sorted(others.items()))
+
+
+def is_norm_like(module: Any) -> bool:
+    return "norm" in type(module).__name__.lower()

@@ -3,8 +3,11 @@ modules -- found by walking the modules, not from a per-architecture table.
 
 * the decoder stack is ``model.base_model`` (transformers' own pointer: ``model.model`` for
   Llama-likes, ``model.gpt_neox`` for GPT-NeoX) and its layers are the one ``nn.ModuleList`` of
-  decoder layers it holds (``layers`` or ``h``);
-* a layer's attention is its one child whose class name ends in ``Attention``;
+  decoder layers it holds (``layers``, ``h`` or ``blocks``);
+* a layer's attention is its one outermost descendant whose class name ends in ``Attention``
+  (hybrid models have layers with none: linear attention, convolutions, state-space mixers --
+  which of the others compute softmax attention is read from a forward, in
+  :mod:`ropestep.models.conventions`);
 * the output projection is the attention's ``nn.Linear`` that maps heads to the hidden size and
   is not an input projection (``o_proj``, ``dense``): found as the one linear child whose input
   dimension is the heads' and that is applied *after* the scores (checked by the capture, whose
@@ -29,20 +32,30 @@ def model_name(model_or_config: Any, name: str | None = None) -> str:
                or getattr(config, "model_type", "model"))
 
 
+def _has_layers(base: Any) -> bool:
+    return base is not None and layer_list(base) is not None
+
+
 def decoder(model: Any) -> Any:
-    """The decoder stack of a ``*ForCausalLM`` (or the bare model)."""
-    base = getattr(model, "base_model", None) or getattr(model, "model", None) or model
-    if layer_list(base) is None:
-        raise UnsupportedModelError(
-            f"{model_name(model)}: no decoder layers found (expected a ModuleList `layers` or "
-            f"`h` on {type(base).__name__})")
-    return base
+    """The decoder stack of a ``*ForCausalLM`` (or the bare model): ``model.base_model`` (or
+    ``model.model``, where ``base_model`` names an attribute the class does not have, as
+    Llama 4's text model does), the first of them that holds a list of decoder layers."""
+    for base in (getattr(model, "base_model", None), getattr(model, "model", None), model):
+        if _has_layers(base):
+            return base
+    base = getattr(model, "base_model", None) or model
+    raise UnsupportedModelError(
+        f"{model_name(model)}: no decoder layers found (expected one ModuleList of decoder "
+        f"layers `layers`, `h` or `blocks` on {type(base).__name__})")
+
+
+LAYER_LISTS = ("layers", "h", "blocks")
 
 
 def layer_list(base: Any) -> Any:
     import torch.nn as nn
 
-    for nm in ("layers", "h"):
+    for nm in LAYER_LISTS:
         ls = getattr(base, nm, None)
         if isinstance(ls, nn.ModuleList) and len(ls):
             return ls
@@ -53,13 +66,34 @@ def layer_modules(model: Any) -> Any:
     return layer_list(decoder(model))
 
 
+def is_attention(module: Any) -> bool:
+    """An attention module: a class name ending in ``Attention`` (transformers' convention)."""
+    return type(module).__name__.endswith("Attention")
+
+
+def attention_modules(layer: Any) -> list[tuple[str, Any]]:
+    """``(name, module)`` of a decoder layer's outermost attention modules: every descendant
+    whose class name ends in ``Attention`` and that does not sit inside another one (a layer
+    may nest its attention one level down, as DBRX's ``norm_attn_norm.attn`` does)."""
+    found: list[tuple[str, Any]] = []
+    inside: set[int] = set()
+    for name, mod in layer.named_modules():
+        if mod is layer or id(mod) in inside:
+            continue
+        if is_attention(mod):
+            found.append((name, mod))
+            inside.update(id(m) for m in mod.modules())
+    return found
+
+
 def attention_module(layer: Any, who: str, L: int) -> Any:
-    """The one child of a decoder layer whose class name ends in ``Attention``."""
-    found = [(n, c) for n, c in layer.named_children() if type(c).__name__.endswith("Attention")]
+    """The one attention module of a decoder layer (:func:`attention_modules`)."""
+    found = attention_modules(layer)
     if len(found) != 1:
-        raise UnsupportedModelError(
-            f"{who}: layer {L} has {len(found)} attention children "
-            f"({[n for n, _ in found]}); expected exactly one")
+        kids = [f"{n} ({type(c).__name__})" for n, c in layer.named_children()]
+        what = ("no attention module: not an attention layer" if not found else
+                f"{len(found)} attention modules {[n for n, _ in found]}; expected exactly one")
+        raise UnsupportedModelError(f"{who}: layer {L} has {what} (children: {', '.join(kids)})")
     return found[0][1]
 
 
