@@ -229,8 +229,11 @@ def _head_dim(attn: Any, config: Any) -> int:
         value = getattr(attn, name, None)
         if isinstance(value, int):
             return value
-    explicit = getattr(config, "head_dim", None)
-    return int(explicit or config.hidden_size // config.num_attention_heads)
+    try:
+        explicit = getattr(config, "head_dim", None)
+        return int(explicit or config.hidden_size // config.num_attention_heads)
+    except Exception:  # noqa: BLE001 - no head count to read (RWKV): the default 32 stands
+        return HEAD_DIM
 
 
 def _sink_mean(window: int) -> float:

@@ -733,7 +733,10 @@ def run(cfg: AtlasConfig, *, progress: bool = True, command: Sequence[str] | Non
         "config": portable_config(asdict(cfg)),
         "model": {"name": portable_name(info.name), "n_layers": info.n_layers, "n_heads": info.n_heads,
                   "n_kv_heads": info.n_kv_heads, "head_dim": info.head_dim,
-                  "hidden": info.hidden, **_portable(prov)},
+                  "hidden": info.hidden, **_portable(prov),
+                  # a hybrid's layers that are not softmax attention, with the reason
+                  **({"not_softmax_attention": {str(L): why for L, why in info.others}}
+                     if info.others else {})},
         "corpus": corpus_prov,
         "contexts": [{"article": b.article, "start": b.start, "n_tokens": b.n_tokens}
                      for b in blocks],

@@ -58,13 +58,27 @@ SIZES: dict[str, Any] = {
     "linear_num_value_heads": 4,
     # state-space mixers (Mamba 2 blocks of Bamba, Falcon-H1, Granite 4, Zamba, ...)
     "mamba_n_heads": 8, "mamba_d_head": 32, "mamba_expand": 2, "mamba_d_state": 16,
-    "mamba_n_groups": 1, "mamba_chunk_size": 16, "ssm_state_size": 16,
+    "mamba_n_groups": 1, "mamba_chunk_size": 16, "ssm_state_size": 16, "mamba_d_ssm": 256,
+    # per-layer input embeddings (Gemma 3n, Gemma 4)
+    "vocab_size_per_layer_input": archzoo.VOCAB, "hidden_size_per_layer_input": 16,
     # partial rotary given in dimensions (GPT-J, CodeGen): half of head_dim
     "rotary_dim": archzoo.HEAD_DIM // 2,
 }
 
+UNSET = object()  # an override value: leave the keyword out (the class's default stands)
+
 # model_type -> (keyword arguments, why the shrunk defaults alone do not build)
-OVERRIDES: dict[str, tuple[dict, str]] = {}
+OVERRIDES: dict[str, tuple[dict, str]] = {
+    "bamba": ({"attn_layer_indices": [1]},
+              "the default names no attention layer (attn_layer_indices None): layer 1 is one"),
+    "granitemoehybrid": ({"layer_types": ["linear_attention", "full_attention"]},
+                         "the default's layers are all Mamba (layer_types all linear_attention): "
+                         "layer 1 is attention"),
+    "lfm2_moe": ({"layer_types": ["conv", "full_attention"]},
+                 "the default leaves layer_types None, which the model indexes per layer"),
+    "dots3_note_text": ({"num_key_value_heads": archzoo.HEADS},
+                        "its validator requires one KV head per query head"),
+}
 
 
 class NotBuildable(RuntimeError):
@@ -176,13 +190,12 @@ def _depth(default_types: list | None, n_default: int) -> tuple[int, list | None
     return len(types), types
 
 
-def tiny_config(model_type: str) -> Any:
-    """The shrunk configuration the census builds for ``model_type`` (module docstring);
-    raises :class:`NotBuildable` with transformers' error when it cannot be built."""
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
-
-    ent = entry(model_type)
-    cls = CONFIG_MAPPING[ent.text_type]
+def _shrunk(cls: Any, depth: bool) -> dict[str, Any]:
+    """Keyword arguments that shrink configuration class ``cls``: the :data:`SIZES` it has, the
+    depth (with ``depth``: :func:`_depth` of the default ``layer_types``; otherwise
+    MIN_LAYERS), per-layer lists cut to it, token ids in the byte vocabulary, and every
+    sub-configuration (other than a text configuration, which is built on its own) shrunk the
+    same way."""
     fields = _fields(cls)
     kw: dict[str, Any] = {}
     for name, value in SIZES.items():
@@ -195,23 +208,24 @@ def tiny_config(model_type: str) -> Any:
     except Exception as err:  # noqa: BLE001 - transformers' own refusal of its defaults
         raise NotBuildable(f"the default configuration does not build: {_one_line(err)}") \
             from None
-    n_default = int(getattr(base, "num_hidden_layers", 0) or 0)
+    try:
+        n_default = int(getattr(base, "num_hidden_layers", 0) or 0)
+    except Exception:  # noqa: BLE001 - a class that refuses the attribute (encoder-decoder)
+        n_default = 0
     default_types = getattr(base, "layer_types", None)
-    L, types = _depth(list(default_types) if isinstance(default_types, (list, tuple)) else None,
-                      n_default)
+    default_types = list(default_types) if isinstance(default_types, (list, tuple)) else None
+    L, types = _depth(default_types if depth else None, n_default)
     if nl is not None:
         kw[nl] = L
     if types is not None and "layer_types" in fields:
         kw["layer_types"] = types
-    # per-layer lists of the default depth, cut to the tiny depth
-    for name, f in fields.items():
+    for name in fields:  # per-layer lists of the default depth, cut to the tiny depth
         if name in kw or name == "layer_types":
             continue
         v = getattr(base, name, None)
         if isinstance(v, (list, tuple)) and n_default and len(v) == n_default and n_default != L:
-            kw[name] = list(v[:L]) if len(v) >= L else list(v)
-    # token ids inside the byte vocabulary (none where the field allows it)
-    for name, f in fields.items():
+            kw[name] = list(v[:L])
+    for name, f in fields.items():  # token ids inside the byte vocabulary
         if not (name.endswith("_token_id") or name.endswith("_token_index")):
             continue
         v = getattr(base, name, None)
@@ -221,12 +235,39 @@ def tiny_config(model_type: str) -> Any:
             kw[name] = archzoo.VOCAB - 1 - (sum(map(ord, name)) % 16)
         elif isinstance(v, list) and any(isinstance(x, int) and x >= archzoo.VOCAB for x in v):
             kw[name] = [archzoo.VOCAB - 1]
+    for name, sub in (getattr(cls, "sub_configs", None) or {}).items():
+        if name == "text_config" or not isinstance(sub, type) or name not in fields:
+            continue
+        if getattr(sub, "model_type", None) in (None, ""):  # an AutoConfig slot
+            continue
+        try:
+            kw[name] = _shrunk(sub, depth=False)
+        except NotBuildable:
+            continue  # its defaults are left to the outer class
+    return kw
+
+
+def tiny_config(model_type: str) -> Any:
+    """The shrunk configuration the census builds for ``model_type`` (module docstring);
+    raises :class:`NotBuildable` with transformers' error when it cannot be built."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    ent = entry(model_type)
+    cls = CONFIG_MAPPING[ent.text_type]
+    kw = _shrunk(cls, depth=True)
     over = OVERRIDES.get(model_type, ({}, ""))[0]
-    kw.update(copy.deepcopy(over))
+    for k, v in copy.deepcopy(over).items():
+        if v is UNSET:
+            kw.pop(k, None)
+        else:
+            kw[k] = v
     try:
         return cls(**kw)
     except Exception as err:  # noqa: BLE001 - transformers' own validation
         raise NotBuildable(_one_line(err)) from None
+
+
+MAX_PARAMETERS = 20_000_000  # a tiny model is ~0.3-2 M; above this a default was not shrunk
 
 
 def build(model_type: str, seed: int = 0, dtype: Any = None) -> Any:
@@ -239,16 +280,20 @@ def build(model_type: str, seed: int = 0, dtype: Any = None) -> Any:
 
     ent = entry(model_type)
     config = tiny_config(model_type)
+    make = (getattr(transformers, ent.causal_class)._from_config
+            if ent.duplicate_of is None and ent.multimodal else AutoModelForCausalLM.from_config)
+    try:
+        with torch.device("meta"):  # count first: a default the census did not shrink
+            n = sum(p.numel() for p in make(config, attn_implementation="eager").parameters())
+    except Exception as err:  # noqa: BLE001 - transformers' own refusal
+        raise NotBuildable(_one_line(err)) from None
+    if n > MAX_PARAMETERS:
+        raise NotBuildable(f"the tiny configuration still has {n:,} parameters (a size of this "
+                           "type the census does not shrink: add it to ropestep.census.OVERRIDES)")
     try:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
-            if ent.duplicate_of is None and ent.multimodal:  # the mapped class on the text config
-                cls = getattr(transformers, ent.causal_class)
-                model = cls._from_config(config, attn_implementation="eager",
-                                         dtype=torch.float32)
-            else:
-                model = AutoModelForCausalLM.from_config(config, attn_implementation="eager",
-                                                         dtype=torch.float32)
+            model = make(config, attn_implementation="eager", dtype=torch.float32)
     except Exception as err:  # noqa: BLE001 - transformers' own refusal
         raise NotBuildable(_one_line(err)) from None
     model.eval()

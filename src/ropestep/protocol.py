@@ -1311,6 +1311,8 @@ def run(cfg: Config, *, progress: bool = True, command: Sequence[str] | None = N
                                                          else math.nan)
     env = environment(dev)
     paper = is_paper_setup(cfg, layers, heads)
+    head_space = {str(L): info.layers[L].output_between for L in layers
+                  if info.layers and not info.layers[L].output_direct}
     result = {
         "schema": "ropestep.validate/1",
         "command": portable_command(list(command) if command is not None else None),
@@ -1321,7 +1323,13 @@ def run(cfg: Config, *, progress: bool = True, command: Sequence[str] | None = N
                   "hidden": info.hidden, "n_heads": info.n_heads, "n_kv_heads": info.n_kv_heads,
                   "head_dim": info.head_dim, "rope_theta": info.rope_theta,
                   "rms_eps": info.rms_eps, "qkv_bias": info.qkv_bias, "o_bias": info.o_bias,
-                  "max_positions": info.max_positions, "vocab": vocab, "dtype": cfg.dtype},
+                  "max_positions": info.max_positions, "vocab": vocab, "dtype": cfg.dtype,
+                  # a hybrid's layers that are not softmax attention, with the reason
+                  **({"not_softmax_attention": {str(L): why for L, why in info.others}}
+                     if info.others else {}),
+                  # layers whose heads pass a norm or gate before o_proj: their write (and
+                  # W_o's statements) are taken in head space (models.layer_head)
+                  **({"write_in_head_space": head_space} if head_space else {})},
         "corpus": {"name": corpus.name, **corpus.source, "n_articles": len(corpus)},
         "protocol": {"contexts": cfg.contexts, "queries": cfg.queries,
                      "prefix_len": cfg.prefix_len, "bank": f"positions 0..{cfg.prefix_len - 2}",

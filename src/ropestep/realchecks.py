@@ -47,7 +47,7 @@ import torch
 
 from . import exact, fast, kernel, models, rope
 from . import tolerances as tl
-from .models.conventions import _norm_weight
+from .models.conventions import _norm_weight, qk_norms
 from .models.structure import onloaded
 from .spec import HeadSpec, HeadWeights, RoPESpec, _positions
 from .verdict import finite, least, within, worst
@@ -223,9 +223,9 @@ def _model_norms(model: Any, layer: int, info: models.ModelInfo, conv: Any) -> d
     full = conv.norm_scope == "all"
     out: dict = {"scope": conv.norm_scope}
     with onloaded(attn):
-        for nm, nh in (("q", H), ("k", Hk)):
-            g, eps = _norm_weight(getattr(attn, f"{nm}_norm"), nh * d if full else d,
-                                  f"{info.name}: layer {layer} {nm}_norm")
+        for nm, nh, mod in zip(("q", "k"), (H, Hk), qk_norms(attn)):
+            g, eps = _norm_weight(mod, nh * d if full else d,
+                                  f"{info.name}: layer {layer} {nm} norm")
             out[nm] = (g.view(nh, d) if full else g, float(eps))
     return out
 
@@ -305,10 +305,10 @@ def _norm_terms(info: models.ModelInfo, conv: Any, spec: HeadSpec | None) -> int
     inside the margin as before."""
     qk = conv.qk_norm or (spec is not None and spec.family == "qknorm")
     if not qk:
-        return int(info.hidden)
+        return int(conv.input_dim or info.hidden)
     full = conv.norm_scope == "all" or (spec is not None and spec.norm_scope == "all")
     n = info.n_heads * info.head_dim if full else info.head_dim
-    return _qk_norm_count(int(info.hidden), n)
+    return _qk_norm_count(int(conv.input_dim or info.hidden), n)
 
 
 def _qk_norm_count(m: int, n: int) -> int:
@@ -374,7 +374,7 @@ def conventions(model: Any, layer: int, x: Any, positions: Any, *,
     ``softcap`` and ``window`` (0 for none).
     """
     info, conv, parts = _model_parts(model, layer)
-    xt = _x(x, info.hidden)
+    xt = _x(x, conv.input_dim or info.hidden)
     n = xt.shape[0]
     pos = _pos(positions, n)
     spec, weights = _head(model, int(layer), int(pos.max()) + 1, head)
@@ -404,7 +404,7 @@ def conventions(model: Any, layer: int, x: Any, positions: Any, *,
             A = models.attention.pair_sum(A, conv)[..., perm] * max(a, 1.0)
         return A
 
-    kterms = info.hidden + (parts["q"][1] is not None)
+    kterms = (conv.input_dim or info.hidden) + (parts["q"][1] is not None)
     norms = _model_norms(model, int(layer), info, conv)
 
     def normed_bound(part: tuple, nh: int, name: str) -> torch.Tensor:
@@ -1076,7 +1076,8 @@ class _Attention64:
         # of this layer's type where the module holds one per type: Gemma 3)
         inv_freq = tuple(conv.inv_freq or ())
         if conv.rotary_dim and len(inv_freq) != conv.rotary_dim // 2:
-            raise ValueError(f"{info.name}: layer {conv.layer}'s rotary module has no inv_freq "
+            raise models.UnsupportedModelError(
+                f"{info.name}: layer {conv.layer}'s rotary module has no inv_freq "
                              f"buffer of {conv.rotary_dim // 2} frequencies to evaluate exact "
                              f"angles with (read {len(inv_freq)})")
         self.inv_freq = torch.tensor(inv_freq, dtype=F64)
@@ -1149,7 +1150,7 @@ def _anchor(att: _Attention64, pos: torch.Tensor, heads: Any, mdt: torch.dtype) 
 
 def _setup_positional(model: Any, layer: int, x: Any, positions: Any, queries: Any, head: Any):
     info, conv, parts = _model_parts(model, layer)
-    xt = _x(x, info.hidden)
+    xt = _x(x, conv.input_dim or info.hidden)
     n = xt.shape[0]
     pos = _pos(positions, n, increasing=True)
     try:

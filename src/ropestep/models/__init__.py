@@ -32,14 +32,14 @@ from .capture import (BlockCapture, ContinuationCapture, LayerCapture, capture, 
                       capture_continuations, top_candidates)
 from .conventions import (LayerConventions, ModelInfo, check_config, check_layer_index,
                           describe_model, layer_head, rope_tables)
-from .errors import ModelLoadError, UnsupportedModelError
+from .errors import CaptureError, ModelLoadError, UnsupportedModelError
 from .loading import (CACHE_MARKER, SMOLLM2_DISTRIBUTION, SMOLLM2_GGUF, SMOLLM2_PACKAGE,
                       add_model_arguments, add_placement_arguments, disable_tf32,
                       gguf_cache_dir, gguf_cache_root, load_model, locate_smollm2_gguf,
                       meta_model, placement, placement_record, read_config)
 
 __all__ = [
-    "BlockCapture", "CACHE_MARKER", "ContinuationCapture", "LayerCapture", "LayerConventions",
+    "BlockCapture", "CACHE_MARKER", "CaptureError", "ContinuationCapture", "LayerCapture", "LayerConventions",
     "ModelInfo", "ModelLoadError", "SMOLLM2_DISTRIBUTION", "SMOLLM2_GGUF", "SMOLLM2_PACKAGE",
     "UnsupportedModelError", "add_model_arguments", "add_placement_arguments", "capture",
     "capture_block",

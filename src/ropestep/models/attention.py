@@ -17,6 +17,7 @@ import torch
 from .conventions import (LayerConventions, ModelInfo, _layout_tables, _partner, _per_pair,
                           _perm, _rotate, check_layer_index, describe_model, layer_tables)
 from .layouts import candidates as layout_candidates
+from .errors import adapter_errors
 from .probe import AttentionRecord, recording
 from .structure import attention_module, layer_modules, offloaded, onloaded, output_projection
 
@@ -62,6 +63,16 @@ def pair_sum(A: torch.Tensor, conv: LayerConventions) -> torch.Tensor:
     return _partner(A, conv.rotary_dim, conv.pairing)
 
 
+def handed_tables(cos: torch.Tensor, sin: torch.Tensor, order: str) -> Any:
+    """Tables ``(n, w)`` as the layer's attention takes its ``position_embeddings`` (a batch of
+    one): ``(cos, sin)``, ``(sin, cos)`` or one complex tensor ``cos + i sin``."""
+    if order == "complex":
+        return torch.complex(cos, sin)[None]
+    if order == "sin_cos":
+        return sin[None], cos[None]
+    return cos[None], sin[None]
+
+
 def head_order(conv: LayerConventions, d: int) -> torch.Tensor:
     """The permutation from the model's head-dim order to ropestep's (``layer_head``)."""
     return _perm(conv, d)
@@ -74,20 +85,25 @@ def run_attention(model: Any, layer: int, x: torch.Tensor, positions: torch.Tens
     info, conv, attn, _, _ = layer_parts(model, layer, info)
     n = x.shape[0]
     pos = positions.reshape(-1).long()
-    # a layer that does not rotate is still handed tables by its model: any rotated layer's
-    rot = conv if conv.rotary else next((c for c in info.conventions() if c.rotary), None)
-    if rot is None:
-        raise RuntimeError(f"{info.name}: no layer rotates, so no RoPE tables to hand layer "
-                           f"{layer}")
-    cos, sin = layer_tables(model, rot, pos)
+    # a layer that does not rotate is still handed tables by its model (any rotated layer's),
+    # unless the model hands it none (order "none")
+    pe = None
+    if conv.order != "none":
+        rot = conv if conv.rotary else next((c for c in info.conventions() if c.rotary), None)
+        if rot is None:
+            raise RuntimeError(f"{info.name}: no layer rotates, so no RoPE tables to hand layer "
+                               f"{layer}")
+        pe = handed_tables(*layer_tables(model, rot, pos), conv.order)
     i, j = torch.arange(n)[:, None], torch.arange(n)[None]
     ok = j <= i
     if conv.window is not None:
         ok = ok & (i - j < conv.window)
     mask = torch.zeros(n, n, dtype=x.dtype).masked_fill(~ok, torch.finfo(x.dtype).min)
-    with recording(model, [layer]) as rec, torch.no_grad():
-        attn(hidden_states=x[None], position_embeddings=(cos[None], sin[None]),
-             attention_mask=mask[None, None].to(x.device), position_ids=pos[None].to(x.device))
+    with recording(model, [layer]) as rec, torch.no_grad(), \
+            adapter_errors(info.name, f"running layer {layer}'s {type(attn).__name__}"):
+        attn(hidden_states=x[None], position_embeddings=pe,
+             attention_mask=mask[None, None].to(x.device), position_ids=pos[None].to(x.device),
+             **dict(conv.call_args))
     if len(rec[layer]) != 1 or rec[layer][0].query is None:
         raise RuntimeError(f"{info.name}: layer {layer}'s attention did not run once")
     return rec[layer][0]

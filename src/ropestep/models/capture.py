@@ -18,7 +18,7 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 
 from .conventions import ModelInfo, check_layer_index, describe_model
-from .errors import UnsupportedModelError
+from .errors import CaptureError, UnsupportedModelError, adapter_errors
 from .loading import disable_tf32
 from .probe import recording
 from .structure import decoder, layer_modules
@@ -90,7 +90,7 @@ def _take(rec: dict, info: ModelInfo, calls: int,
         ok = [x for x in rs if x.kwargs.get("_seen") and x.hidden is not None
               and x.output is not None and x.o_out is not None]
         if len(rs) != calls or len(ok) != calls:
-            raise RuntimeError(
+            raise CaptureError(
                 f"{info.name}: layer {L}'s attention ran {len(rs)} times ({len(ok)} complete: "
                 f"input, attention function, output projection) for {calls} forward passes")
         x = torch.cat([t.hidden.reshape(-1, t.hidden.shape[-1]) for t in rs]).cpu()
@@ -106,7 +106,7 @@ def _take(rec: dict, info: ModelInfo, calls: int,
                             for t in rs]).cpu()
         if not (x.shape[0] == hd.shape[0] == o.shape[0] == positions.shape[0]) or (
                 sm is not None and sm.shape[0] != x.shape[0]):
-            raise RuntimeError(f"{info.name}: layer {L} captured {x.shape[0]} rows, expected "
+            raise CaptureError(f"{info.name}: layer {L} captured {x.shape[0]} rows, expected "
                                f"{positions.shape[0]}")
         out[L] = LayerCapture(layer=L, positions=positions.clone(), x=x, heads=hd, o=o,
                               self_mass=sm)
@@ -117,7 +117,7 @@ def _take_self_mass(rec: dict, info: ModelInfo) -> None:
     """Every call of a self-mass capture must have returned its attention probabilities."""
     for L, rs in rec.items():
         if any(t.weights is None for t in rs):
-            raise RuntimeError(f"layer {L}: the attention returned no weights (eager "
+            raise CaptureError(f"layer {L}: the attention returned no weights (eager "
                                "attention is required to read the model's own self mass)")
 
 
@@ -155,12 +155,26 @@ def _last_logits_kw(model: Any) -> dict:
     return {}
 
 
+def _kv_only(cache: Any) -> bool:
+    """Every layer of the cache holds keys and values only (transformers' dynamic or static
+    attention layers): no recurrent state -- a linear-attention, convolution or state-space
+    mixer's (transformers' ``LinearAttention*`` layers, or a hybrid cache of a model's own) --
+    which would hold a token for good, so that the cache can be cut back and repeated."""
+    from transformers import cache_utils as cu
+
+    kv = tuple(getattr(cu, n) for n in ("DynamicLayer", "StaticLayer") if hasattr(cu, n))
+    rec = tuple(getattr(cu, n) for n in ("LinearAttentionCacheLayerMixin",) if hasattr(cu, n))
+    layers = getattr(cache, "layers", None)
+    if not layers or not kv:
+        return False
+    return all(isinstance(ly, kv) and not (rec and isinstance(ly, rec)) for ly in layers)
+
+
 def _repeatable(cache: Any) -> bool:
-    """The cache and every layer of it can be repeated along the batch (a hybrid's linear
-    attention or state-space layers may not: each candidate then steps on its own copy)."""
-    layers = getattr(cache, "layers", None) or []
-    return hasattr(cache, "batch_repeat_interleave") and all(
-        hasattr(ly, "batch_repeat_interleave") for ly in layers)
+    """The cache can be repeated along the batch, layer by layer (a cache with recurrent state
+    is not: each candidate then steps on its own copy)."""
+    return hasattr(cache, "batch_repeat_interleave") and _kv_only(cache) and all(
+        hasattr(ly, "batch_repeat_interleave") for ly in cache.layers)
 
 
 def _out_cache(out: Any) -> Any:
@@ -193,7 +207,8 @@ def capture(model: Any, input_ids: Any, layers: int | Sequence[int], *,
     def stop(mod: Any, args: Any, out: Any) -> None:
         raise _StopForward
 
-    with _hooks(model, Ls) as rec, torch.no_grad():
+    with _hooks(model, Ls) as rec, torch.no_grad(), \
+            adapter_errors(info.name, "the capture's forward"):
         h = layer_modules(model)[Ls[-1]].register_forward_hook(stop) if stop_early else None
         try:
             model(input_ids=ids[None], position_ids=pos[None].to(dev), use_cache=False)
@@ -226,7 +241,7 @@ def capture_continuations(model: Any, prefix_ids: Any,
     n1 = ids.numel()
     ckw = _cache_kw(model)
     disable_tf32()
-    with torch.no_grad():
+    with torch.no_grad(), adapter_errors(info.name, "the capture's forwards"):
         with _hooks(model, Ls) as rec:
             out = model(input_ids=ids[None], position_ids=torch.arange(n1, device=dev)[None],
                         use_cache=True, **_last_logits_kw(model))
@@ -234,7 +249,7 @@ def capture_continuations(model: Any, prefix_ids: Any,
         logits = out.logits[0, -1].detach().cpu()
         cache = _out_cache(out)
         if cache is None:
-            raise RuntimeError(f"{info.name}: the prefix pass returned no KV cache")
+            raise CaptureError(f"{info.name}: the prefix pass returned no KV cache")
         cands = candidates(logits) if callable(candidates) else candidates
         cand = torch.as_tensor(list(cands), dtype=torch.long).reshape(-1)
         if cand.numel() < 1:
@@ -304,7 +319,7 @@ def capture_block(model: Any, block_ids: Any, layers: int | Sequence[int],
     if "logits_to_keep" in inspect.signature(model.forward).parameters:
         fkw["logits_to_keep"] = 2  # positions n-2 and n-1 only
     disable_tf32()
-    with torch.no_grad():
+    with torch.no_grad(), adapter_errors(info.name, "the capture's forwards"):
         with _hooks(model, Ls) as rec:
             out = model(input_ids=ids[None], position_ids=torch.arange(n, device=dev)[None],
                         use_cache=True, **fkw)
@@ -312,9 +327,9 @@ def capture_block(model: Any, block_ids: Any, layers: int | Sequence[int],
         logits = out.logits[0, -2].detach().cpu()
         cache = _out_cache(out)
         if cache is None:
-            raise RuntimeError(f"{info.name}: the forward pass returned no KV cache")
+            raise CaptureError(f"{info.name}: the forward pass returned no KV cache")
         rolled = False
-        if not info.others:  # only attention caches: drop the observed token's keys
+        if _kv_only(cache):  # only keys and values: drop the observed token's
             try:
                 cache.crop(-1)  # the prefix's cache, positions 0..n-2
                 rolled = True
@@ -326,7 +341,7 @@ def capture_block(model: Any, block_ids: Any, layers: int | Sequence[int],
                          position_ids=torch.arange(n - 1, device=dev)[None], use_cache=True)
             cache = _out_cache(out_p)
         if cache.get_seq_length() != n - 1:
-            raise RuntimeError(f"{info.name}: cache holds {cache.get_seq_length()} positions "
+            raise CaptureError(f"{info.name}: cache holds {cache.get_seq_length()} positions "
                                f"after cropping, expected {n - 1}")
         cands = candidates(logits) if callable(candidates) else candidates
         cand = torch.as_tensor(list(cands), dtype=torch.long).reshape(-1)

@@ -84,6 +84,11 @@ class LayerConventions:
     # opposite angle (nanochat's rotate_half is cat(x2, -x1)) -- ropestep then swaps each pair's
     # two dims in its head-dim order (:func:`_perm`), which turns it the usual way
     sign: int = 1
+    # how the layer is handed its tables: "cos_sin" (HF), "sin_cos" (GPT-J, CodeGen), "complex"
+    # (Llama 4: one complex tensor), or "none" (a layer given no position_embeddings at all)
+    order: str = "cos_sin"
+    input_dim: int | None = None  # width m of the attention's input (None: the model's hidden)
+    call_args: tuple = ()  # plain arguments the module was called with (Zamba 2's layer_idx)
 
     @property
     def score_scale(self) -> float:
@@ -95,7 +100,7 @@ class LayerConventions:
             "layer", "attention", "layout", "output", "rotary", "rotary_dim", "pairing", "tables",
             "amplitude", "scaling", "softcap", "window", "qk_norm", "norm_scope", "norm_eps",
             "qkv_bias",
-            "o_bias", "sinks", "output_direct", "sign")}
+            "o_bias", "sinks", "output_direct", "sign", "order")}
         d["score_scale"] = self.score_scale
         return d
 
@@ -162,7 +167,14 @@ ROPE_HINTS = ("rope_theta", "rope_parameters", "rotary_dim", "rotary_pct", "rota
 
 
 def check_config(config: Any, name: str | None = None) -> ModelInfo:
-    """Sizes from a transformers config, and what can be refused before any weight loads."""
+    """Sizes from a transformers config, and what can be refused before any weight loads; a
+    config that refuses to give one of them (a per-layer attribute read globally) is one
+    :class:`UnsupportedModelError` line."""
+    with adapter_errors(model_name(config, name), "reading the config"):
+        return _check_config(config, name)
+
+
+def _check_config(config: Any, name: str | None = None) -> ModelInfo:
     who = model_name(config, name)
     mt = getattr(config, "model_type", None)
     for attr in ("kv_lora_rank", "q_lora_rank"):
@@ -354,11 +366,16 @@ def _rel(a: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def _table_call(model: Any, positions: torch.Tensor, like: torch.Tensor, name: str,
-                layer_type: str | None) -> tuple[torch.Tensor, torch.Tensor]:
+                layer_type: str | None, order: str = "cos_sin"
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(cos, sin)`` of one call of a rotary module (``order="sin_cos"``: a module that returns
+    them the other way round, as GPT-J's does)."""
     mod = dict(rotary_modules(model))[name]
     kw = {} if layer_type is None else {"layer_type": layer_type}
     with torch.no_grad():
         c, s = tables(mod(like, positions[None].to(like.device), **kw))
+    if order == "sin_cos":
+        c, s = s, c
     return c.reshape(-1, c.shape[-1]), s.reshape(-1, s.shape[-1])
 
 
@@ -371,22 +388,25 @@ def layer_tables(model: Any, conv: "LayerConventions", positions: torch.Tensor
     like = torch.zeros(1, 1, 1, dtype=p.dtype, device=p.device)
     name, _, rest = (conv.rotary or "").partition("(layer_type=")
     lt = rest[1:-2] if rest else None
-    return _table_call(model, positions.reshape(-1).long(), like, name, lt)
+    return _table_call(model, positions.reshape(-1).long(), like, name, lt, conv.order)
 
 
-def _match_rotary(model: Any, r: AttentionRecord, n: int) -> tuple[str, str | None] | None:
-    """The rotary call (module name, ``layer_type``) that reproduces the layer's tables."""
-    cos, sin = r.cos.reshape(-1, r.cos.shape[-1]), r.sin.reshape(-1, r.sin.shape[-1])
+def _match_rotary(model: Any, cos: torch.Tensor, sin: torch.Tensor, n: int, *,
+                  like_dtype: torch.dtype, device: Any, order: str
+                  ) -> tuple[str, str | None] | None:
+    """The rotary call (module name, ``layer_type``) that reproduces the layer's tables
+    (``cos``/``sin`` as read, float64; ``order``: how the layer was handed them)."""
     pos = torch.arange(n)
-    like = torch.zeros(1, 1, 1, dtype=r.hidden.dtype, device=r.hidden.device)
+    like = torch.zeros(1, 1, 1, dtype=like_dtype, device=device)
     lts = sorted({str(t) for t in (getattr(model.config, "layer_types", None) or [])})
     for name, mod in rotary_modules(model):
         takes_type = "layer_type" in inspect.signature(mod.forward).parameters
         for lt in ([None] + lts if takes_type else [None]):
             try:
-                c, s = _table_call(model, pos, like, name, lt)
+                c, s = _table_call(model, pos, like, name, lt, order)
             except Exception:  # a layer type this module does not know
                 continue
+            c, s = c.to("cpu", F64), s.to("cpu", F64)
             if c.shape == cos.shape and torch.equal(c, cos) and torch.equal(s, sin):
                 return name, lt
     return None
@@ -452,30 +472,37 @@ def _read_layer(model: Any, info: ModelInfo, L: int, r: AttentionRecord) -> Laye
             f"{who}: layer {L} attention queries {tuple(r.query.shape)} / keys "
             f"{tuple(r.key.shape)}, expected (1, {H}, n, {d}) / (1, {Hk}, N, {d})")
     rv = int(r.value.shape[-1])
-    if r.cos is None:
-        raise UnsupportedModelError(
-            f"{who}: layer {L}'s attention is given no position_embeddings (RoPE tables)")
     mdt = r.hidden.dtype
-    cos = r.cos.reshape(-1, r.cos.shape[-1]).to("cpu", F64)
-    sin = r.sin.reshape(-1, r.sin.shape[-1]).to("cpu", F64)
-    R = int(cos.shape[-1])
-    if R > d or R % 2 or cos.shape[0] != n:
-        raise UnsupportedModelError(
-            f"{who}: layer {L}'s RoPE tables have shape {tuple(cos.shape)} for head_dim {d}")
-    a = float(cos[0, 0])
-    if not (a > 0 and bool((cos[0] == cos[0, 0]).all()) and bool((sin[0] == 0).all())):
-        raise UnsupportedModelError(
-            f"{who}: layer {L}'s RoPE tables at position 0 are not a * (1, 0) (cos {cos[0, :4]})")
-    forms = _table_forms(cos, sin, d)
-    if not forms:
-        raise UnsupportedModelError(
-            f"{who}: layer {L}'s RoPE tables of width {R} repeat neither their halves nor their "
-            f"pairs, and are too wide to hold one entry per pair of head_dim {d}")
-    match = _match_rotary(model, r, n)
-    if match is None:
-        raise UnsupportedModelError(
-            f"{who}: layer {L}'s RoPE tables are not produced by any rotary module of the model")
-    rot_name = match[0] + ("" if match[1] is None else f"(layer_type={match[1]!r})")
+    order = "cos_sin"
+    if r.cos is None:  # a layer handed no tables (a NoPE layer): only "no rotation" can fit
+        cos = sin = torch.ones(n, 0, dtype=F64)
+        a, forms, match, rot_name = 1.0, [], None, None
+    else:
+        cos = r.cos.reshape(-1, r.cos.shape[-1]).to("cpu", F64)
+        sin = r.sin.reshape(-1, r.sin.shape[-1]).to("cpu", F64)
+        if bool((cos[0] == 0).all()) and bool((sin[0] > 0).all()) and \
+                bool((sin[0] == sin[0, 0]).all()):  # handed as (sin, cos): GPT-J, CodeGen
+            cos, sin, order = sin, cos, "sin_cos"
+        R = int(cos.shape[-1])
+        if R > d or R % 2 or cos.shape[0] != n:
+            raise UnsupportedModelError(
+                f"{who}: layer {L}'s RoPE tables have shape {tuple(cos.shape)} for head_dim {d}")
+        a = float(cos[0, 0])
+        if not (a > 0 and bool((cos[0] == cos[0, 0]).all()) and bool((sin[0] == 0).all())):
+            raise UnsupportedModelError(
+                f"{who}: layer {L}'s RoPE tables at position 0 are not a * (1, 0) (cos "
+                f"{cos[0, :4]})")
+        forms = _table_forms(cos, sin, d)
+        if not forms:
+            raise UnsupportedModelError(
+                f"{who}: layer {L}'s RoPE tables of width {R} repeat neither their halves nor "
+                f"their pairs, and are too wide to hold one entry per pair of head_dim {d}")
+        match = _match_rotary(model, cos, sin, n, like_dtype=r.hidden.dtype,
+                              device=r.hidden.device, order=order)
+        if match is None:
+            raise UnsupportedModelError(f"{who}: layer {L}'s RoPE tables are not produced by any "
+                                        "rotary module of the model")
+        rot_name = match[0] + ("" if match[1] is None else f"(layer_type={match[1]!r})")
     # QK-norm
     norms = qk_norms(attn)
     qk_norm, eps, scope = False, math.nan, "head"
@@ -600,9 +627,9 @@ def _read_layer(model: Any, info: ModelInfo, L: int, r: AttentionRecord) -> Laye
                 f" v by {rel:.2e} relative (bound {tol:.2e}): its score is not the one read")
     direct, between = _output_path(r, who, L)
     inv = ()
-    rmod = dict(rotary_modules(model)).get(match[0])
+    rmod = dict(rotary_modules(model)).get(match[0]) if match is not None else None
     fr = getattr(rmod, "inv_freq", None)
-    if fr is None and match[1] is not None:  # one buffer per layer type (Gemma 3)
+    if fr is None and match is not None and match[1] is not None:  # one per layer type (Gemma 3)
         fr = getattr(rmod, f"{match[1]}_inv_freq", None)
     if torch.is_tensor(fr) and fr.numel() == Rr // 2 and Rr:
         inv = tuple(float(v) for v in fr.detach().to("cpu", F64))
@@ -613,7 +640,9 @@ def _read_layer(model: Any, info: ModelInfo, L: int, r: AttentionRecord) -> Laye
         scaling=scaling, softcap=softcap, window=window, qk_norm=qk_norm, norm_scope=scope,
         norm_eps=eps,
         qkv_bias=parts["q"][1] is not None, o_bias=out_lin.bias is not None, sinks=sinks,
-        inv_freq=inv, output_direct=direct, output_between=between, sign=sgn)
+        inv_freq=inv, output_direct=direct, output_between=between, sign=sgn,
+        order="none" if r.cos is None else "complex" if r.complex_tables else order,
+        input_dim=m, call_args=tuple(sorted(r.call.items())))
 
 
 def _output_path(r: AttentionRecord, who: str, L: int) -> tuple[bool, str]:
@@ -877,7 +906,8 @@ def layer_head(model: Any, layer: int, n_positions: int, *, dtype: torch.dtype =
             f"{who}: layer {layer} has attention sinks (a learned logit in the softmax "
             "denominator), which the layer paths do not model")
     attn = attention_module(layer_modules(model)[layer], who, layer)
-    H, Hk, d, m, r = info.n_heads, info.n_kv_heads, info.head_dim, info.hidden, info.r
+    H, Hk, d, r = info.n_heads, info.n_kv_heads, info.head_dim, info.r
+    m = conv.input_dim or info.hidden  # Zamba 2's attention reads [h; embeddings]: 2 hidden
     with onloaded(attn):  # offloaded weights (accelerate) are read in, for this layer only
         parts = layout_candidates(attn, H, Hk, d, r)[conv.layout]
         _, out = output_projection(attn, who, layer)

@@ -14,6 +14,10 @@ class UnsupportedModelError(ValueError):
     """The model uses an attention convention the exact layer does not model; one-line message."""
 
 
+class CaptureError(RuntimeError):
+    """A capture's own guard: a layer's attention did not run as the reading says it does."""
+
+
 @contextmanager
 def adapter_errors(who: str, doing: str) -> Iterator[None]:
     """``with adapter_errors(name, "reading layer 3 (FooAttention)"):`` -- an exception raised
@@ -24,7 +28,7 @@ def adapter_errors(who: str, doing: str) -> Iterator[None]:
     adapter's own errors, and ``KeyboardInterrupt``/``MemoryError``, pass unchanged."""
     try:
         yield
-    except (UnsupportedModelError, ModelLoadError, KeyboardInterrupt, MemoryError):
+    except (UnsupportedModelError, ModelLoadError, CaptureError, KeyboardInterrupt, MemoryError):
         raise
     except Exception as err:  # noqa: BLE001 - every other failure is a refusal, named
         text = " ".join(str(err).split())[:240] or "(no message)"

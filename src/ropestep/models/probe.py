@@ -43,6 +43,10 @@ class AttentionRecord:
     kwargs: dict = field(default_factory=dict)  # scaling, softcap, sliding_window, s_aux, ...
     output: torch.Tensor | None = None  # (B, n, H, r) the eager function's output
     weights: torch.Tensor | None = None  # (B, H, n, N) its attention probabilities
+    complex_tables: bool = False  # position_embeddings was one complex tensor (Llama 4)
+    # the module's plain (int/float/str/bool) call arguments besides its inputs (Zamba 2's
+    # layer_idx): what a second call of the module on other inputs must be given too
+    call: dict = field(default_factory=dict)
     o_in: torch.Tensor | None = None  # the output projection's input (kept on request)
     o_out: torch.Tensor | None = None  # the output projection's output (kept on request)
 
@@ -107,9 +111,13 @@ def recording(model: Any, layers: Sequence[int], *, keep: Sequence[str] = (
             hs = a.get("hidden_states", args[0] if args else None)
             if "hidden" in keep and torch.is_tensor(hs):
                 r.hidden = hs.detach()
+            r.call = {k: v for k, v in a.items() if isinstance(v, (int, float, str, bool))
+                      and not isinstance(v, type(None)) and k not in ("use_cache",
+                                                                      "output_attentions")}
             pe = a.get("position_embeddings")
             if pe is not None and ("cos" in keep or "sin" in keep):
                 r.cos, r.sin = tables(pe)
+                r.complex_tables = torch.is_tensor(pe)
             rec[L].append(r)
         return hook
 
