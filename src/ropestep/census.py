@@ -74,6 +74,9 @@ OVERRIDES: dict[str, tuple[dict, str]] = {
     "granitemoehybrid": ({"layer_types": ["linear_attention", "full_attention"]},
                          "the default's layers are all Mamba (layer_types all linear_attention): "
                          "layer 1 is attention"),
+    "lfm2": ({"layer_types": ["conv", "full_attention"]},
+             "the default is attention in every layer; the published LFM2 models interleave "
+             "short convolutions: layer 0 is one"),
     "lfm2_moe": ({"layer_types": ["conv", "full_attention"]},
                  "the default leaves layer_types None, which the model indexes per layer"),
     "dots3_note_text": ({"num_key_value_heads": archzoo.HEADS},
