@@ -34,17 +34,20 @@ DEFAULT = set(TYPES[::3])  # the representative third of the default run
 # Granite 4, Bamba, OLMo hybrid, Zamba 2), BitNet's sub-norm, nanochat's reversed rotation and
 # weightless norms, Llama 4's complex tables.
 PASSING = {
-    "afmoe", "apertus", "apertus1p5_text", "arcee", "aria_text", "bamba", "bitnet", "cohere",
-    "cohere2", "cohere2_moe", "cwm", "dots1", "ergo", "ernie4_5", "ernie4_5_moe", "exaone",
-    "exaone4", "exaone_moe", "falcon_h1", "flex_olmo", "gemma", "gemma2", "gemma3_text", "glm",
-    "glm4", "glm4_moe", "gpt_neox", "granite", "granitemoe", "granitemoehybrid",
-    "granitemoeshared", "helium", "hy_v3", "hyperclovax", "internlm3", "iquestcoder", "jais2",
-    "kolibri1", "laguna", "lara_mini", "lfm2", "lfm2_moe", "lfm3", "llama", "llama4_text",
-    "mellum", "minimax", "minimax_m2", "minimax_m3_vl_text", "ministral", "ministral3",
-    "mistral", "mixtral", "nanochat", "nemotron", "olmo", "olmo2", "olmo3", "olmo_hybrid",
+    "afmoe", "apertus", "apertus1p5_text", "arcee", "aria_text", "axk1", "bailing_hybrid",
+    "bamba", "bitnet", "cohere", "cohere2", "cohere2_moe", "cwm", "deepseek_v2", "deepseek_v3",
+    "deepseek_v32", "dots1", "emu3", "ergo", "ernie4_5", "ernie4_5_moe", "exaone", "exaone4",
+    "exaone_moe", "falcon_h1", "flex_olmo", "gemma", "gemma2", "gemma3_text", "glm", "glm4",
+    "glm4_moe", "glm4_moe_lite", "glm_moe_dsa", "gpt_neox", "granite", "granitemoe",
+    "granitemoehybrid", "granitemoeshared", "helium", "hy_v3", "hyperclovax", "internlm3",
+    "iquestcoder", "jais2", "kolibri1", "laguna", "lara_mini", "lfm2", "lfm2_moe", "lfm3",
+    "llama", "llama4_text", "mellum", "minicpm3", "minimax", "minimax_m2",
+    "minimax_m3_vl_text", "ministral", "ministral3", "mistral", "mixtral", "mllama",
+    "modernbert-decoder", "nanochat", "nemotron", "olmo", "olmo2", "olmo3", "olmo_hybrid",
     "olmoe", "param2moe", "phi", "phi3", "phimoe", "qwen2", "qwen2_moe", "qwen3",
-    "qwen3_5_moe_text", "qwen3_5_text", "qwen3_moe", "qwen3_next", "sarvam_moe", "seed_oss",
-    "smollm3", "solar_open", "stablelm", "starcoder2", "vaultgemma", "zamba2",
+    "qwen3_5_moe_text", "qwen3_5_text", "qwen3_moe", "qwen3_next", "sarvam_mla", "sarvam_moe",
+    "seed_oss", "smollm3", "solar_open", "stablelm", "starcoder2", "vaultgemma", "youtu",
+    "zamba2",
 }
 
 
@@ -91,7 +94,7 @@ def test_the_census_lists_every_causal_lm_type_once():
 
     assert TYPES == sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
     assert PASSING <= set(TYPES)
-    assert len(PASSING) >= 75
+    assert len(PASSING) >= 90
     # a multimodal type is its text model; one the mapping lists itself is counted there
     ent = census.entry("gemma3")
     assert (ent.text_type, ent.duplicate_of) == ("gemma3_text", "gemma3_text")
@@ -198,9 +201,18 @@ def _swapped_pairs(conv, d):
     return out
 
 
+def _split_moved(attn, H, d, rv, who, L):
+    """A latent layer's parts with the latent/rope split read two dims off."""
+    P = _LATENT_PARTS(attn, H, d, rv, who, L)
+    return {**P, "rank": P["rank"] - 2, "rope": P["rope"] + 2, "nope": P["nope"] - 2}
+
+
+_LATENT_PARTS = models.conventions._latent_parts
+
+
 @pytest.mark.parametrize("name, what", [
     ("qwen3_next", "gate"), ("nanochat", "sign"), ("bitnet", "output"), ("gpt_neox", "pairs"),
-    ("gptj", "order")])
+    ("gptj", "order"), ("deepseek_v3", "latent_order"), ("deepseek_v2", "latent_split")])
 def test_a_wrong_reading_of_each_new_convention_fails_the_run(name, what, tmp_path,
                                                               monkeypatch):
     conv = models.conventions
@@ -212,6 +224,11 @@ def test_a_wrong_reading_of_each_new_convention_fails_the_run(name, what, tmp_pa
         monkeypatch.setattr(conv, "_output_path", lambda r, who, L: (True, ""))
     elif what == "pairs":  # the rotation's direction flipped after the reading
         monkeypatch.setattr(conv, "_perm", _swapped_pairs)
+    elif what == "latent_order":  # the rotated dims of a latent layer in split-half order
+        monkeypatch.setattr(conv, "latent_rope_order", lambda pairing, pre, rho: torch.cat(
+            [torch.arange(0, rho, 2), torch.arange(1, rho, 2)]))
+    elif what == "latent_split":  # the latent/rope split of kv_a_proj_with_mqa read off by 2
+        monkeypatch.setattr(conv, "_latent_parts", _split_moved)
     elif what == "order":  # GPT-J's (sin, cos) taken as handed, for (cos, sin)
         orig_read = conv._read_layer
 

@@ -219,8 +219,8 @@ MUTANTS = [  # (the planted bug, its line in realchecks.py, the mutation, a disa
      "        den = torch.linalg.vector_norm(ref.flatten(1), dim=1)\n        return (a - ref)",
      "conventions/heads/"),
     ("the conventions tolerance without the bias term",
-     '    kterms = info.hidden + (parts["q"][1] is not None)\n',
-     "    kterms = info.hidden\n", "conventions/tolerance_max"),
+     '    kterms = (conv.input_dim or info.hidden) + (parts["q"][1] is not None)\n',
+     "    kterms = conv.input_dim or info.hidden\n", "conventions/tolerance_max"),
     # pooling: where the pooled values are pinned (the derivative's ratios are rounding-level,
     # all within their widths, so a min there is indistinguishable from the max)
     ("the heads pooled by min instead of max",

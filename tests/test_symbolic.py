@@ -696,3 +696,234 @@ def test_cosine_bound_numeric():
             if bound > 0:
                 worst_ratio = max(worst_ratio, float(lhs / bound))
     print(f"cosine bound: max ||y - mu|| / bound over 40 draws = {worst_ratio:.3f}")
+
+
+# ---------------------------------------------------------------------------------------------
+# section 14: multi-head latent attention
+# ---------------------------------------------------------------------------------------------
+@functools.lru_cache(maxsize=None)
+def latent(**kw) -> S.LatentHeads:
+    return S.latent_heads(**kw)
+
+
+@pytest.mark.parametrize("kw", [
+    dict(),                                                    # 2 heads, 3 keys, free rotation
+    dict(trig=True),                                           # R(p) = e^{pA}, symbolic p, omega
+    dict(n_heads=3, n_keys=2, rank=4, rope_dim=4, nope=3, trig=True),
+    dict(n_heads=2, n_keys=2, m=2),                            # the query a projection of u
+], ids=["free-rotation", "trig", "rank4-rope4-nope3", "projected-query"])
+def test_latent_absorption_exact(kw):
+    """Every head's model score scale * [qn; R qr] . [W_uk c; R kr] equals the absorbed
+    scale * [R qr; W_uk^T qn] . [R kr; c], exactly."""
+    lh = latent(**kw)
+    res = S.latent_absorption_residual(lh)
+    assert res.shape == (lh.n_heads, lh.n_keys)
+    assert_exact_zero(res, f"MLA absorption {kw}")
+
+
+@pytest.mark.parametrize("fn", [S.wrong_latent_absorption_untransposed,
+                                S.wrong_latent_absorption_misordered])
+def test_latent_wrong_absorptions_do_not_vanish(fn):
+    """Mutations: W_uk in place of W_uk^T, and the absorbed query's blocks in the other order than
+    the shared key's (latent first, rope second), change the scores."""
+    lh = latent()
+    res = fn(lh)
+    assert S.reduce_exact(res) != sp.zeros(*res.shape)
+    big = nonzero_somewhere(res, lh.symbols())
+    print(f"{fn.__name__}: max |residual| at random points {mp.nstr(big, 5)}")
+    assert big > mp.mpf("1e-3")
+    assert S.is_exactly_zero(S.latent_absorption_residual(lh))  # the right one, same symbols
+
+
+@pytest.mark.parametrize("r", [1, 2])
+def test_latent_identity_exact(r):
+    """y_ih (softmax over the model's per-head keys, model values) = mu_ih + q'_ih T_ih with the
+    shared absorbed keys, for every head, exactly."""
+    lh = latent(r=r)
+    res = S.latent_identity_residual(lh)
+    assert res.shape == (lh.n_heads, r)
+    assert_exact_zero(res, f"MLA identity H={lh.n_heads} N={lh.n_keys} r={r}")
+    t = S.latent_query_space_matrix(lh, 0)
+    assert t.shape == (lh.rot_q.shape[0] + lh.c[0].shape[0], r)  # (rope_dim + rank) x r
+
+
+def test_latent_identity_nope_differs_from_rank():
+    """nope != rank: W_uk (nope x rank) is not square, and the absorbed query has rank dims."""
+    lh = latent(n_heads=1, n_keys=2, rank=2, rope_dim=2, nope=3)
+    assert S.latent_absorbed_query(lh, 0).shape == (4, 1)
+    assert S.latent_model_query(lh, 0).shape == (5, 1)
+    assert_exact_zero(S.latent_identity_residual(lh), "MLA identity nope=3 rank=2")
+
+
+def test_latent_identity_swapped_values_is_wrong():
+    """Mutation: giving each head the other head's value map breaks the identity."""
+    lh = latent(n_keys=2)
+    res = S.wrong_latent_identity_swapped_values(lh)
+    assert S.reduce_exact(res) != sp.zeros(*res.shape)
+    big = nonzero_somewhere(res, lh.symbols())
+    print(f"swapped value maps: max |residual| at random points {mp.nstr(big, 5)}")
+    assert big > mp.mpf("1e-3")
+
+
+@pytest.mark.parametrize("m,n", [(2, 2), (1, 3)])
+def test_latent_input_space(m, n):
+    """No query latent: q'_ih = L_ih^T u, the score is u^T a_jh with a_jh = scale L_ih k'_j, the
+    identity of section 3 holds on these features and delta_m_ih = L_ih T_ih."""
+    lh = latent(n_heads=1, n_keys=n, m=m)
+    res = S.latent_input_space_residuals(lh)
+    assert res["cheap_form"].shape == (m + 1, 1)
+    for k, v in res.items():
+        assert_exact_zero(v, f"MLA input space m={m} N={n}: {k}")
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(n_heads=1, n_keys=2, rank=4, rope_dim=2, nope=3, r=2)])
+def test_latent_per_head_form(kw):
+    """The model's per-head key, query and query-space matrix are the images of the absorbed ones
+    under one fixed map per head, so the two readouts coincide."""
+    lh = latent(**kw)
+    for k, v in S.latent_per_head_form_residuals(lh, lh.n_heads - 1).items():
+        assert_exact_zero(v, f"MLA per-head form {kw}: {k}")
+
+
+def test_latent_input_space_needs_a_projected_query():
+    with pytest.raises(ValueError):
+        S.latent_query_map(latent(), 0)
+
+
+def test_latent_query_latent_leaves_input_space():
+    """A query latent (RMS-normed, eps = 0) makes the score constant along rays and odd in x: not
+    affine (an affine function constant on rays is constant), yet not constant."""
+    ray = S.latent_query_latent_ray()
+    for k in ("ray", "score_ray", "odd"):
+        assert_exact_zero(ray[k], f"query latent {k}")
+    s = ray["s"]
+    syms = sorted(s.free_symbols, key=str)
+    big = nonzero_somewhere(sp.Matrix([[s]]), syms)
+    print(f"query-latent score: max |s| at random points {mp.nstr(big, 5)}")
+    assert big > mp.mpf("1e-3")
+    # concretely: an affine s has s(2x) + s(-x) = 2 s(x/2) (three collinear points with the
+    # same weights); here s(2x) = s(x/2) = s(x) and s(-x) = -s(x), so the two sides differ by
+    # -2 s(x), which is non-zero wherever s is
+    x = ray["x"]
+    at = lambda f: s.xreplace({xi: f * xi for xi in x})  # noqa: E731
+    gap = at(2) + at(-1) - 2 * at(sp.Rational(1, 2))
+    assert_exact_zero(gap + 2 * s, "s(2x) + s(-x) - 2 s(x/2) = -2 s(x)")
+
+
+# the mpmath bridge: a model-form forward written here, independent of ropestep.kernel
+def _mla_forward(seed: int, *, query_latent: bool, dps: int = 50):
+    """A random MLA layer evaluated at ``dps`` digits in the model's own form (row vectors):
+    c_j = g_kv * RMS(x_j W_kc + b_kc), k^r_j = (x_j W_kr + b_kr) R(p_j)^T, per-head key
+    [c_j W_uk[h], k^r_j], value c_j W_uv[h], query [q^n, q^r R(p_i)^T] from z_i W_q[h] + b_q[h],
+    causal softmax with a YaRN-like scale.  Returns the model's outputs and every ingredient."""
+    rng = random.Random(seed)
+    H, m, rank, rope, nope, r, N, q_rank = 3, 5, 4, 4, 3, 2, 5, 3
+    eps = mp.mpf("1e-6")
+
+    def mat(rows, cols, s=1.0):
+        return mp.matrix([[mp.mpf(rng.gauss(0, s)) for _ in range(cols)] for _ in range(rows)])
+
+    def row(cols, s=1.0):
+        return mat(1, cols, s)
+
+    def rms(a, g):
+        ms = mp.fsum(a[0, k] ** 2 for k in range(a.cols)) / a.cols
+        return mp.matrix([[g[0, k] * a[0, k] / mp.sqrt(ms + eps) for k in range(a.cols)]])
+
+    def rot(p, freqs):  # R(p) on adjacent pairs, acting on rows as z R(p)^T
+        R = mp.zeros(2 * len(freqs), 2 * len(freqs))
+        for ell, w in enumerate(freqs):
+            c, s = mp.cos(p * w), mp.sin(p * w)
+            R[2 * ell, 2 * ell], R[2 * ell, 2 * ell + 1] = c, -s
+            R[2 * ell + 1, 2 * ell], R[2 * ell + 1, 2 * ell + 1] = s, c
+        return R
+
+    def cat(*rows_):
+        return mp.matrix([[x for rw in rows_ for x in rw]])
+
+    with mp.workdps(dps):
+        X = mat(N, m)
+        freqs = [mp.mpf(10000) ** (-mp.mpf(2 * ell) / rope) for ell in range(rope // 2)]
+        mscale = mp.mpf("0.1") * mp.log(40) + 1  # YaRN's mscale at factor 40
+        scale = mscale**2 / mp.sqrt(nope + rope)
+        W_kc, b_kc, g_kv = mat(m, rank, 0.6), row(rank, 0.3), row(rank, 0.3)
+        g_kv = mp.matrix([[1 + x for x in g_kv]])
+        W_kr, b_kr = mat(m, rope, 0.5), row(rope, 0.3)
+        W_uk = [mat(rank, nope, 0.6) for _ in range(H)]  # row form: k^n = c W_uk[h]
+        W_uv = [mat(rank, r) for _ in range(H)]
+        q_in = q_rank if query_latent else m
+        W_q = [mat(q_in, nope + rope, 0.5) for _ in range(H)]
+        b_q = [row(nope + rope, 0.3) for _ in range(H)]
+        W_qa, b_qa, g_qa = mat(m, q_rank, 0.6), row(q_rank, 0.3), row(q_rank, 0.3)
+        g_qa = mp.matrix([[1 + x for x in g_qa]])
+        xs = [X[j, :] for j in range(N)]
+        c = [rms(xj * W_kc + b_kc, g_kv) for xj in xs]
+        kr = [(xj * W_kr + b_kr) * rot(j, freqs).T for j, xj in enumerate(xs)]
+        z = [rms(xj * W_qa + b_qa, g_qa) if query_latent else xj for xj in xs]
+        out = {"y": {}, "q": {}, "s": {}}
+        for h in range(H):
+            for i in range(N):
+                qh = z[i] * W_q[h] + b_q[h]
+                qn, qr = qh[0, :nope], qh[0, nope:] * rot(i, freqs).T
+                q = cat(qn, qr)
+                s = [scale * mp.fsum(a * b for a, b in zip(q, cat(c[j] * W_uk[h], kr[j])))
+                     for j in range(i + 1)]
+                e = [mp.exp(x) for x in s]
+                v = [c[j] * W_uv[h] for j in range(i + 1)]
+                out["y"][h, i] = [mp.fsum(ej * vj[0, k] for ej, vj in zip(e, v)) / mp.fsum(e)
+                                  for k in range(r)]
+                out["q"][h, i] = (qn, qr)
+                out["s"][h, i] = s
+        out.update(dict(H=H, N=N, r=r, rope=rope, nope=nope, rank=rank, m=m, scale=scale,
+                        x=xs, c=c, kr=kr, W_uk=W_uk, W_uv=W_uv, W_q=W_q, b_q=b_q, freqs=freqs,
+                        rot=rot, cat=cat))
+    return out
+
+
+@pytest.mark.parametrize("query_latent", [False, True])
+def test_latent_bridge_mpmath(query_latent):
+    """The model-form softmax of a random MLA layer (3 heads, rank 4, rope 4, nope 3, r 2, causal
+    over 5 tokens, YaRN-like scale; with and without a query latent) at 50 digits equals
+    mu + q' T built in the absorbed form -- one shared key [R(p_j) k^r_j, c_j], the absorbed query
+    [q^r R(p_i)^T, q^n W_uk^T] -- to 1e-40; the two forms' scores agree to 1e-40; and without a
+    query latent also mu + u^T L T with the input-space map L = [W_qr R^T, W_qn W_uk^T]."""
+    F = _mla_forward(7 + query_latent, query_latent=query_latent)
+    cat, H, N, r = F["cat"], F["H"], F["N"], F["r"]
+    worst_y = worst_s = worst_u = mp.mpf(0)
+    with mp.workdps(50):
+        keys = [cat(kr, c) for kr, c in zip(F["kr"], F["c"])]  # (1, rope + rank), shared
+        for h in range(H):
+            for i in range(N):
+                qn, qr = F["q"][h, i]
+                qa = cat(qr, qn * F["W_uk"][h].T)  # absorbed query
+                s = [F["scale"] * mp.fsum(a * b for a, b in zip(qa, keys[j])) for j in range(i + 1)]
+                worst_s = max(worst_s, max_abs([a - b for a, b in zip(s, F["s"][h, i])]))
+                z = mp.fsum(mp.exp(x) for x in s)
+                v = [F["c"][j] * F["W_uv"][h] for j in range(i + 1)]
+                mu = [mp.fsum(vj[0, k] for vj in v) / (i + 1) for k in range(r)]
+                T = mp.zeros(qa.cols, r)
+                for j, x in enumerate(s):
+                    cj = (mp.expm1(x) / x if x != 0 else mp.mpf(1)) / z
+                    for a in range(qa.cols):
+                        for k in range(r):
+                            T[a, k] += F["scale"] * cj * keys[j][0, a] * (v[j][0, k] - mu[k])
+                ro = [mu[k] + mp.fsum(qa[0, a] * T[a, k] for a in range(qa.cols)) for k in range(r)]
+                scale_y = max(max_abs(F["y"][h, i]), mp.mpf(1))
+                worst_y = max(worst_y, max_abs([a - b for a, b in zip(ro, F["y"][h, i])]) / scale_y)
+                if not query_latent:  # input space: u = [x_i; 1], L = [W_qr R(p_i)^T, W_qn W_uk^T]
+                    nope, m = F["nope"], F["m"]
+                    Wh = mp.matrix(F["W_q"][h].tolist() + F["b_q"][h].tolist())  # (m+1, nope+rope)
+                    R = F["rot"](i, F["freqs"])
+                    L_r = Wh[:, nope:] * R.T
+                    L_n = Wh[:, :nope] * F["W_uk"][h].T
+                    L = mp.matrix([[*(L_r[row, k] for k in range(L_r.cols)),
+                                    *(L_n[row, k] for k in range(L_n.cols))] for row in range(m + 1)])
+                    u = cat(F["x"][i], mp.matrix([[1]]))
+                    dm = L * T  # (m+1, r): the input-space Delta M_ih
+                    ro_u = [mu[k] + mp.fsum(u[0, a] * dm[a, k] for a in range(m + 1))
+                            for k in range(r)]
+                    worst_u = max(worst_u, max_abs([a - b for a, b in zip(ro_u, F["y"][h, i])]) / scale_y)
+    print(f"MLA at 50 digits (query latent {query_latent}): max |s_model - s_absorbed| "
+          f"{mp.nstr(worst_s, 3)}, max rel |y - (mu + q'T)| {mp.nstr(worst_y, 3)}, input space "
+          + ("n/a (not affine in u)" if query_latent else mp.nstr(worst_u, 3)))
+    assert worst_s <= TOL_MP and worst_y <= TOL_MP and worst_u <= TOL_MP

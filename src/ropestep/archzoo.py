@@ -219,6 +219,28 @@ ARCHITECTURES: dict[str, Arch] = {
         **_MOE),
 }
 
+_MLA = dict(num_key_value_heads=HEADS, kv_lora_rank=32, q_lora_rank=48, qk_nope_head_dim=16,
+            qk_rope_head_dim=16,
+            v_head_dim=32, n_routed_experts=4, n_shared_experts=1, moe_intermediate_size=64,
+            first_k_dense_replace=1, n_group=1, topk_group=1, **_MOE)
+ARCHITECTURES.update({
+    "deepseek_v3": _arch(
+        "deepseek_v3", "multi-head latent attention (latent rank 32, rotated part 16 of each "
+        "head's 32, query latent 48, rope_interleave), MoE from layer 1",
+        base=_MHA, **_MLA, rope_parameters=dict(_ROPE)),
+    "deepseek_v3_yarn": _arch(
+        "deepseek_v3", "latent attention with YaRN (factor 4 over 256, mscale 1 on every dim: "
+        "the module's scaling carries mscale^2)",
+        base=_MHA, **_MLA,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10_000.0, "factor": 4.0,
+                         "original_max_position_embeddings": 256, "mscale": 1.0,
+                         "mscale_all_dim": 1.0, "beta_fast": 32.0, "beta_slow": 1.0}),
+    "deepseek_v2_lite": _arch(
+        "deepseek_v2", "latent attention without a query latent (q_lora_rank None: the score is "
+        "affine in u, the input-space step exists), split-half rotation",
+        base=_MHA, **{**_MLA, "q_lora_rank": None}, rope_parameters=dict(_ROPE)),
+})
+
 # name -> why transformers 5.24 cannot build it offline on CPU in float32 (filled in only for
 # configurations that were tried and failed; see the module docstring).
 NOT_BUILDABLE: dict[str, str] = {}
@@ -266,6 +288,14 @@ def _redraw_attention(attn: Any, config: Any, g: Any) -> None:
         elif is_norm(mod) and mod is not attn:
             # A normalised query/key has RMS |gain|, whatever the projection: give it r.
             _perturb_norm(mod, gain=r, g=g)
+    kvb = getattr(attn, "kv_b_proj", None)
+    nope, vd = getattr(attn, "qk_nope_head_dim", None), getattr(attn, "v_head_dim", None)
+    if isinstance(kvb, nn.Linear) and isinstance(nope, int) and isinstance(vd, int):
+        # latent attention: the latent c (RMS r after its norm) feeds both the keys and the
+        # values; the value rows drawn 1/r smaller keep the values at the other architectures'
+        # scale (the validate criterion's atol is absolute)
+        w = kvb.weight.view(-1, nope + vd, kvb.in_features)
+        w[:, nope:] /= r
     for _, p in attn.named_parameters(recurse=False):
         # Parameters held by the attention module itself: per-head sink logits (gpt-oss).
         window = getattr(attn, "sliding_window", None) or WINDOW
@@ -293,21 +323,28 @@ def build(name: str, seed: int = 0, dtype: Any = None) -> Any:
     eval mode with eager attention and scores far from uniform.  ``dtype`` defaults to
     ``torch.float32``; the redraw is done in float32 and the model cast afterwards."""
     import torch
-    from transformers import AutoModelForCausalLM
 
     if name not in ARCHITECTURES:
         why = NOT_BUILDABLE.get(name)
         raise KeyError(f"{name}: " + (f"not buildable: {why}" if why else
                                       f"unknown; known: {', '.join(ARCHITECTURES)}"))
-    config = ARCHITECTURES[name].config()
+    model = _built(ARCHITECTURES[name].config(), seed)
+    if dtype is not None and dtype != torch.float32:
+        model = model.to(dtype)
+    return model
+
+
+def _built(config: Any, seed: int) -> Any:
+    """A configuration built as the zoo builds it: seeded, eval mode, eager, redrawn."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, attn_implementation="eager",
                                                  dtype=torch.float32)
     model.eval()
     redraw(model, config, seed)
-    if dtype is not None and dtype != torch.float32:
-        model = model.to(dtype)
     return model
 
 

@@ -205,6 +205,11 @@ def _shrunk(cls: Any, depth: bool) -> dict[str, Any]:
         own = _own_name(cls, fields, name)
         if own is not None:
             kw[own] = value
+    if "qk_rope_head_dim" in fields:  # latent attention: its head_dim is the rotated part's
+        kw.pop("head_dim", None)      # width, which the class derives (DeepSeek-V3), and
+        own = _own_name(cls, fields, "num_key_value_heads")  # every head has its own keys
+        if own is not None:
+            kw[own] = SIZES["num_attention_heads"]
     nl = _own_name(cls, fields, "num_hidden_layers")
     try:
         base = cls()

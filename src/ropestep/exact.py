@@ -281,8 +281,12 @@ def _build(spec: HeadSpec, weights: HeadWeights, x_q: Any, pos_q: Any, x_kv: Any
             B = _zeros(heads, dim) if b is None else to_mp(b)
             return np.concatenate([W, B[None]], 0)  # (m+1, heads, dim)
 
-        Wq, Wk, Wv = aug(weights.w_q, weights.b_q, H, d), aug(weights.w_k, weights.b_k, Hk, d), \
-            aug(weights.w_v, weights.b_v, Hk, r)
+        latent = spec.family == "latent"
+        Wq = aug(weights.w_q, weights.b_q, H, d)
+        if latent:  # the absorbed form (docs/math.md section 14): shared keys, per-head values
+            lat = _latent_inputs(spec, weights, X, Xk, fsum, _dot_)
+        else:
+            Wk, Wv = aug(weights.w_k, weights.b_k, Hk, d), aug(weights.w_v, weights.b_v, Hk, r)
         bases = spec.rope.bases(H)
         if spec.rope.freqs is not None:  # the spec's own pair frequencies replace the base
             bases = [tuple(spec.rope.freqs)] * H
@@ -350,16 +354,21 @@ def _build(spec: HeadSpec, weights: HeadWeights, x_q: Any, pos_q: Any, x_kv: Any
             # keys and values of this head's KV group, rotated with this head's base
             Rk = {}
             for j in range(N):
-                kraw = [_dot_(Uk[j], Wk[:, g, c]) for c in range(d)]
+                if latent:
+                    kraw = lat["k"][j]
+                else:
+                    kraw = [_dot_(Uk[j], Wk[:, g, c]) for c in range(d)]
                 kvec = mp.matrix(normed(kraw, kn[g] if all_scope else kn,
                                         inv_k[j] if all_scope else None))
                 Rk.setdefault(pk[j], rot(int(pk[j]), h))
                 kt = Rk[pk[j]] * kvec  # column form: k~^T = R(p) k^T
                 k_all[h, j] = [kt[c] for c in range(d)]
-                v_all[h, j] = [_dot_(Uk[j], Wv[:, g, c]) for c in range(r)]
+                v_all[h, j] = (lat["v"](h, j) if latent else
+                               [_dot_(Uk[j], Wv[:, g, c]) for c in range(r)])
             for i in range(Q):
                 Rq = rot(int(pq[i]), h)
-                qraw = [_dot_(U[i], Wq[:, h, c]) for c in range(d)]
+                qin = lat["zq"][i] if latent else U[i]  # [z_i; 1] (latent) or u_i
+                qraw = [_dot_(qin, Wq[:, h, c]) for c in range(d)]
                 qt = Rq * mp.matrix(normed(qraw, qn[h] if all_scope else qn,
                                            inv_q[i] if all_scope else None))
                 q_all[h, i] = [qt[c] * sc for c in range(d)]
@@ -394,6 +403,48 @@ def _build(spec: HeadSpec, weights: HeadWeights, x_q: Any, pos_q: Any, x_kv: Any
                     mu[h, i, c] = fsum(v_all[h, j, c] for j in perm) / len(perm)
         return ExactHead(spec, mask, u_all, feats, q_all, k_all, v_all, beta, s, y, mu, Z, prec,
                          extras={"L": Lmaps, "rounded": rounded})
+
+
+def _latent_inputs(spec: HeadSpec, weights: HeadWeights, X: np.ndarray, Xk: np.ndarray,
+                   fsum: Any, dot: Any) -> dict:
+    """The absorbed form's per-token pieces (docs/math.md section 14), at the working precision:
+    ``k[j]`` the shared key ``[x W_kr + b_kr; g_kv RMS(x W_kc + b_kc)]`` of every key token,
+    ``zq[i]`` the query input ``[z_i; 1]`` (``z = x`` or ``g_qa RMS(x W_qa + b_qa)``) of every
+    query token, and ``v(h, j)`` head ``h``'s value ``c_j W_uv[h] + b_uv[h]``."""
+    lt = spec.latent
+    H, r = spec.n_heads, spec.r
+
+    def lin(row, w, b, width):
+        W = to_mp(w)
+        B = None if b is None else to_mp(b)
+        return [dot(row, W[:, c]) + (0 if B is None else B[c]) for c in range(width)]
+
+    def rms(vec, g, eps):
+        inv = 1 / mp.sqrt(fsum(x * x for x in vec) / len(vec) + mp.mpf(eps))
+        return [x * inv * gi for x, gi in zip(vec, g)]
+
+    gkv = to_mp(weights.kv_norm)
+    keys, lats = [], []
+    for j in range(Xk.shape[0]):
+        c = rms(lin(Xk[j], weights.w_kc, weights.b_kc, lt.rank), gkv, lt.kv_eps)
+        kr = [] if lt.rope_dim == 0 else lin(Xk[j], weights.w_kr, weights.b_kr, lt.rope_dim)
+        keys.append(kr + c)
+        lats.append(c)
+    zq = []
+    for i in range(X.shape[0]):
+        if lt.q_rank is None:
+            z = list(X[i])
+        else:
+            z = rms(lin(X[i], weights.w_qa, weights.b_qa, int(lt.q_rank)),
+                    to_mp(weights.qa_norm), lt.q_eps)
+        zq.append(z + [mp.mpf(1)])
+    Wuv = to_mp(weights.w_uv)
+    Buv = None if weights.b_uv is None else to_mp(weights.b_uv)
+
+    def value(h: int, j: int) -> list:
+        return [dot(lats[j], Wuv[:, h, c]) + (0 if Buv is None else Buv[h, c]) for c in range(r)]
+
+    return {"k": keys, "zq": zq, "v": value}
 
 
 def score_scale(spec: HeadSpec, h: int) -> mp.mpf:

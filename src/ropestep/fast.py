@@ -34,8 +34,8 @@ import numpy as np
 import torch
 
 from .kernel import (FLOAT_DTYPES, LOW_PRECISION, augment, augmented_weight, compute_dtype,  # noqa: F401
-                     exp_dd, ftensor, gauge_chunk, phi1, rms_norm, scaled_phi1, transform,
-                     transform_dd, uniform_mean, unit_rows)
+                     exp_dd, ftensor, gauge_chunk, latent_qkv, LATENT_FIELDS, phi1, rms_norm,
+                     scaled_phi1, transform, transform_dd, uniform_mean, unit_rows)
 from .rope import (apply_rope, rope_cos_sin, rope_derivative, rope_finite_difference,  # noqa: F401
                    rope_frequencies, rope_generator, rope_phi1, rope_rotation)
 from .spec import HeadSpec, HeadWeights, check_inputs, resolve_mask, _positions
@@ -91,11 +91,17 @@ def project(spec: HeadSpec, weights: HeadWeights, x_q: Any, pos_q: Any, x_kv: An
     xq, xk = cast(x_q), cast(x_kv)
     u_q, u_k = augment(xq), augment(xk)
     wq = augmented_weight(cast(weights.w_q), cast(weights.b_q))  # (m+1, H, d)
-    wk = augmented_weight(cast(weights.w_k), cast(weights.b_k))
-    wv = augmented_weight(cast(weights.w_v), cast(weights.b_v))
-    q = torch.einsum("qm,mhd->hqd", u_q, wq)
-    k = torch.einsum("nm,mhd->hnd", u_k, wk)
-    v = torch.einsum("nm,mhd->hnd", u_k, wv)
+    if spec.family == "latent":  # the absorbed form (kernel.latent_qkv); n_kv_heads = H
+        lw = {f: cast(getattr(weights, f)) for f in LATENT_FIELDS}
+        lt = spec.latent
+        q = latent_qkv(xq, lw, spec.n_heads, lt.kv_eps, lt.q_eps)[0]
+        _, k, v = latent_qkv(xk, lw, spec.n_heads, lt.kv_eps, lt.q_eps)
+    else:
+        wk = augmented_weight(cast(weights.w_k), cast(weights.b_k))
+        wv = augmented_weight(cast(weights.w_v), cast(weights.b_v))
+        q = torch.einsum("qm,mhd->hqd", u_q, wq)
+        k = torch.einsum("nm,mhd->hnd", u_k, wk)
+        v = torch.einsum("nm,mhd->hnd", u_k, wv)
     if spec.family == "qknorm":
         q = rms_norm(q, cast(weights.q_norm), spec.norm_eps, spec.norm_scope)
         k = rms_norm(k, cast(weights.k_norm), spec.norm_eps, spec.norm_scope)

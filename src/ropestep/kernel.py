@@ -158,6 +158,36 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, scope: str = "head") 
     return x * torch.rsqrt((x * x).mean(-1, keepdim=True) + eps) * w
 
 
+def latent_qkv(x: torch.Tensor, w: dict, heads: int, kv_eps: float, q_eps: float
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Multi-head latent attention in its absorbed form (``spec.family == "latent"``,
+    docs/math.md section 14): for inputs ``x (N, m)`` and the weights ``w`` (the
+    :class:`~ropestep.spec.HeadWeights` fields ``w_q, b_q, w_kr, b_kr, w_kc, b_kc, kv_norm,
+    w_uv, b_uv, w_qa, b_qa, qa_norm``, cast; absent ones None) return the unrotated queries
+    ``(H, N, d)``, the shared keys ``[k_rope; c]`` expanded over the heads ``(H, N, d)`` and the
+    values ``c W_uv[h] + b_uv[h]`` ``(H, N, r)``, with ``c = kv_norm * RMS(x W_kc + b_kc)`` and
+    the query input ``z = x`` or ``qa_norm * RMS(x W_qa + b_qa)``."""
+    def lin(a: torch.Tensor, wt: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+        out = a @ wt
+        return out if b is None else out + b
+
+    c = rms_norm(lin(x, w["w_kc"], w["b_kc"]), w["kv_norm"], kv_eps)  # (N, rank)
+    kr = (x[:, :0] if w["w_kr"] is None else lin(x, w["w_kr"], w["b_kr"]))  # (N, rope_dim)
+    k = torch.cat((kr, c), -1)
+    z = x if w["w_qa"] is None else rms_norm(lin(x, w["w_qa"], w["b_qa"]), w["qa_norm"], q_eps)
+    q = torch.einsum("nq,qhd->hnd", z, w["w_q"])
+    if w["b_q"] is not None:
+        q = q + w["b_q"][:, None, :]
+    v = torch.einsum("nl,lhr->hnr", c, w["w_uv"])
+    if w["b_uv"] is not None:
+        v = v + w["b_uv"][:, None, :]
+    return q, k[None].expand(heads, *k.shape).contiguous(), v
+
+
+LATENT_FIELDS = ("w_q", "b_q", "w_kr", "b_kr", "w_kc", "b_kc", "kv_norm", "w_uv", "b_uv", "w_qa",
+                 "b_qa", "qa_norm")
+
+
 def unit_rows(x: torch.Tensor, name: str) -> torch.Tensor:
     """``x / ||x||`` over the last dim (cosine family); a zero row is an input error."""
     n = torch.linalg.vector_norm(x, dim=-1, keepdim=True)

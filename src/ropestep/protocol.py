@@ -632,7 +632,13 @@ def real_checks(model: Any, spec, weights, cap: ContextCapture, layer: int, cont
                                                              pos_kv=pos_kv)}
     if not claims:
         return out
-    out["conventions"] = rc.conventions(model, layer, xp, pos_kv, head=head, record=raw)
+    if spec.family == "latent":  # the model side of these needs a standard projection layout
+        out["conventions"] = out["position_derivative"] = out["position_shift"] = None
+        out["not_defined"] = {k: NOT_LAYOUT_LATENT for k in ("conventions",
+                                                              "position_derivative",
+                                                              "position_shift")}
+    else:
+        out["conventions"] = rc.conventions(model, layer, xp, pos_kv, head=head, record=raw)
     if raw is not None and spec.rope.freqs is not None:
         raw["inv_freq"] = torch.tensor(spec.rope.freqs, dtype=torch.float64)
     other = int(rng.integers(1, Q)) if Q > 1 else 0
@@ -645,7 +651,10 @@ def real_checks(model: Any, spec, weights, cap: ContextCapture, layer: int, cont
                                     if Q >= 2 else None)
     else:  # input-space claims (rank of Delta M W_o, one affine readout in u): not defined
         out["rank"] = out["no_global_readout"] = None
-        out["not_defined"] = {"rank": NOT_AFFINE, "no_global_readout": NOT_AFFINE}
+        out.setdefault("not_defined", {}).update(
+            {"rank": not_affine_reason(spec), "no_global_readout": not_affine_reason(spec)})
+    if spec.family == "latent":
+        return out
     qs = sorted(int(i) for i in rng.choice(np.arange(1, N), size=min(POSITIONAL_QUERIES, N - 1),
                                            replace=False))
     out["position_derivative"] = rc.position_derivative(model, layer, xp, pos_kv, qs, head=head)
@@ -724,6 +733,22 @@ NOT_AFFINE = ("the score is not affine in u (QK-norm normalises q and k before R
               "no input-space Delta M, so this input-space statement is not defined; the "
               "identity, frozen reuse and the step are measured in query space "
               "(docs/math.md section 8)")
+NOT_AFFINE_LATENT = ("the score is not affine in u (latent attention whose query passes the RMS "
+                     "norm of a query latent): there is no input-space Delta M, so this "
+                     "input-space statement is not defined; the identity, frozen reuse and the "
+                     "step are measured in the absorbed query space (docs/math.md section 14)")
+# why the real-head checks that rebuild the model's per-head queries and keys from a standard
+# projection layout are not defined on a latent layer
+NOT_LAYOUT_LATENT = (
+    "latent attention: this check rebuilds the module's per-head queries and keys from a "
+    "standard projection layout, which a latent layer does not have; its queries, keys and "
+    "values are checked against the latent maps on every load (models.conventions, "
+    "docs/math.md section 14), and every head's output against the model's by the rows above")
+
+
+def not_affine_reason(spec: Any) -> str:
+    """Why a head's input-space statements are not defined (its family's reason)."""
+    return NOT_AFFINE_LATENT if spec.family == "latent" else NOT_AFFINE
 # which value of each real-head check the report pools and the verdict names
 REAL_CHECKS = {
     "conventions": ("q_rel_max", "k_rel_max", "v_rel_max"),
@@ -915,8 +940,10 @@ def _nonfinite_contexts(per_ctx: list[dict], parts: Sequence[str]) -> list[int]:
             if not finite([x[p][k] for p in parts for k in ("mse", "max_abs")])]
 
 
-def summarize_layer(ctxs: list[LayerContext], heads: Sequence[int], n_heads: int) -> dict:
-    """Pool one layer's contexts into the report's sections."""
+def summarize_layer(ctxs: list[LayerContext], heads: Sequence[int], n_heads: int,
+                    not_affine: str = NOT_AFFINE) -> dict:
+    """Pool one layer's contexts into the report's sections (``not_affine``: why its
+    input-space descent is not defined, where it is not)."""
     C = len(ctxs)
     # reconstruction
     rows = []
@@ -1077,7 +1104,7 @@ def summarize_layer(ctxs: list[LayerContext], heads: Sequence[int], n_heads: int
 
     label = "input space (the paper's: u = [x; 1], H = sum_j c_j a_j a_j^T)"
     descent = (space("", label) if "lam_max" in ctxs[0].descent else
-               {"space": label, "not_defined": NOT_AFFINE})
+               {"space": label, "not_defined": not_affine})
     descent["query_space"] = space("q_", "query space (rotated query, a_j = scale k~_j)")
     rep_inc = np.stack([lc.descent["rep_increases"] for lc in ctxs], 1)[list(heads)]  # (H, C)
     rep_lam = np.stack([lc.descent["rep_lam_max"] for lc in ctxs], 1)[list(heads)]
@@ -1300,7 +1327,9 @@ def run(cfg: Config, *, progress: bool = True, command: Sequence[str] | None = N
 
     layer_out = {}
     for L in layers:
-        layer_out[str(L)] = summarize_layer(per_layer[L], heads, info.n_heads)
+        layer_out[str(L)] = summarize_layer(
+            per_layer[L], heads, info.n_heads,
+            NOT_AFFINE_LATENT if info.layers[L].layout == "latent" else NOT_AFFINE)
         layer_out[str(L)]["real_heads"] = summarize_real_checks(real[L])
     timings["total_s"] = time.perf_counter() - t_start
     work = timings["total_s"] - timings["model_load_s"] - t_fwd

@@ -102,9 +102,11 @@ def _pos(p: Any, n: int, name: str = "positions", increasing: bool = False) -> t
     return torch.as_tensor(arr)
 
 
-FAMILIES = ("dot", "qknorm")
-"""The score families the checks cover: ``"dot"`` (Llama, Qwen2, ...) and ``"qknorm"`` (Qwen3,
-Gemma 3 per head; OLMo 2 over the whole projection)."""
+FAMILIES = ("dot", "qknorm", "latent")
+"""The score families the checks cover: ``"dot"`` (Llama, Qwen2, ...), ``"qknorm"`` (Qwen3,
+Gemma 3 per head; OLMo 2 over the whole projection) and ``"latent"`` (multi-head latent
+attention in its absorbed form: the checks stated on the head description -- coefficients,
+oracle rows, rank -- not those that rebuild the model's per-head projections)."""
 
 
 def _supported(spec: HeadSpec) -> None:
@@ -112,7 +114,7 @@ def _supported(spec: HeadSpec) -> None:
         raise ValueError(f"spec must be a HeadSpec, got {type(spec).__name__}")
     if spec.family not in FAMILIES:
         raise ValueError(f"score family {spec.family!r} is not covered by realchecks (they cover "
-                         "'dot': Llama, Qwen2; and 'qknorm': Qwen3, Gemma 3, OLMo 2)")
+                         "'dot': Llama, Qwen2; 'qknorm': Qwen3, Gemma 3, OLMo 2; and 'latent')")
 
 
 def _affine(spec: HeadSpec, check: str) -> None:
@@ -603,10 +605,12 @@ def _one_head(spec: HeadSpec, weights: HeadWeights, h: int) -> tuple[HeadSpec, H
     if spec.family == "qknorm" and spec.norm_scope != "head":
         raise ValueError("a norm over every head of a token needs every head: build the whole "
                          "layer (exact_reference does)")
+    if spec.family == "latent":  # its pairs' frequencies and the latent go along
+        rs = replace(rs, freqs=spec.rope.freqs)
     s1 = HeadSpec(n_heads=1, n_kv_heads=1, head_dim=spec.head_dim, v_dim=spec.v_dim, rope=rs,
                   family=spec.family, scale=spec.score_scale(h), softcap=spec.softcap,
                   alibi_slopes=None if spec.alibi_slopes is None else (spec.alibi_slopes[h],),
-                  norm_eps=spec.norm_eps)
+                  norm_eps=spec.norm_eps, latent=spec.latent)
 
     def sl(a: Any, i: int, axis: int) -> Any:
         if a is None:
@@ -619,6 +623,16 @@ def _one_head(spec: HeadSpec, weights: HeadWeights, h: int) -> tuple[HeadSpec, H
             return None
         return torch.as_tensor(a).to("cpu", F64)  # numpy or torch, any float dtype
 
+    if spec.family == "latent":  # one head's query and value maps; the key is shared
+        def full(a: Any) -> Any:
+            return None if a is None else torch.as_tensor(np.asarray(a) if isinstance(
+                a, np.ndarray) else a).to("cpu", F64)
+
+        return s1, HeadWeights(
+            w_q=sl(weights.w_q, h, 1), w_k=None, w_v=None, b_q=sl(weights.b_q, h, 0),
+            w_uv=sl(weights.w_uv, h, 1), b_uv=sl(weights.b_uv, h, 0),
+            **{k: full(getattr(weights, k)) for k in ("w_kr", "b_kr", "w_kc", "b_kc", "kv_norm",
+                                                      "w_qa", "b_qa", "qa_norm")})
     w1 = HeadWeights(w_q=sl(weights.w_q, h, 1), w_k=sl(weights.w_k, g, 1),
                      w_v=sl(weights.w_v, g, 1), b_q=sl(weights.b_q, h, 0),
                      b_k=sl(weights.b_k, g, 0), b_v=sl(weights.b_v, g, 0),

@@ -55,8 +55,9 @@ import torch
 
 from . import lowrank
 from .direct import direct_query  # noqa: F401  (the paper-form reference beside this path)
-from .kernel import (FLOAT_DTYPES, PBlocks, augmented_weight, compute_dtype, gauge_chunk,  # noqa: F401
-                     rms_norm, softmax, uniform_mean, unit_rows)
+from .kernel import (FLOAT_DTYPES, LATENT_FIELDS, PBlocks, augmented_weight,  # noqa: F401
+                     compute_dtype, gauge_chunk, latent_qkv, rms_norm, softmax, uniform_mean,
+                     unit_rows)
 from .rope import apply_rope, rope_cos_sin
 from .spec import HeadSpec, HeadWeights, _positions
 
@@ -175,9 +176,13 @@ def project_layer(spec: HeadSpec, weights: HeadWeights, x: Any, positions: Any =
             out = out + cast(b).reshape(heads * dim)
         return out.reshape(N, heads, dim).transpose(0, 1).contiguous()  # (heads, N, dim)
 
-    q = proj(weights.w_q, weights.b_q, H, d)
-    k = proj(weights.w_k, weights.b_k, Hk, d)
-    v = proj(weights.w_v, weights.b_v, Hk, r)
+    if spec.family == "latent":  # the absorbed form (kernel.latent_qkv); Hk = H
+        q, k, v = latent_qkv(xc, {f: cast(getattr(weights, f)) for f in LATENT_FIELDS}, H,
+                             spec.latent.kv_eps, spec.latent.q_eps)
+    else:
+        q = proj(weights.w_q, weights.b_q, H, d)
+        k = proj(weights.w_k, weights.b_k, Hk, d)
+        v = proj(weights.w_v, weights.b_v, Hk, r)
     if spec.family == "qknorm":
         q = rms_norm(q, cast(weights.q_norm), spec.norm_eps, spec.norm_scope)
         k = rms_norm(k, cast(weights.k_norm), spec.norm_eps, spec.norm_scope)

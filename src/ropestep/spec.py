@@ -21,7 +21,13 @@ Conventions (docs/math.md section 1):
     - ``"dot"``: ``s = q~ k~^T * scale`` (``scale`` defaults to ``1/sqrt(d)``);
     - ``"qknorm"``: q and k pass a per-head RMSNorm (weights ``q_norm``/``k_norm``, eps
       ``norm_eps``) before RoPE (Qwen3), then as ``"dot"``;
-    - ``"cosine"``: ``s = q^ R k^^T / tau_h`` with unit ``q^, k^`` and a per-head temperature.
+    - ``"cosine"``: ``s = q^ R k^^T / tau_h`` with unit ``q^, k^`` and a per-head temperature;
+    - ``"latent"``: multi-head latent attention (DeepSeek-V2/V3) in its absorbed form
+      (docs/math.md section 14, :class:`LatentSpec`): every head's key is the token's shared
+      ``[k_rope; c]`` -- a rotated part ``k_rope = x W_kr + b_kr`` and the normed latent
+      ``c = g_kv * RMS(x W_kc + b_kc)`` -- its value ``c W_uv[h] + b_uv[h]``, its query
+      ``z W_q[h] + b_q[h]`` with ``z = x`` or a normed query latent ``g_qa * RMS(x W_qa + b_qa)``;
+      ``head_dim = rope_dim + rank``, the rotated pairs first.
   Optional on top of any family: additive biases ``beta_ij`` (ALiBi slopes
   ``beta_ij = -slope_h * (p_i - p_j)``, and/or an explicit bias array passed at call time) and a
   score transform ``phi(s) = softcap * tanh(s / softcap)`` (``phi(0) = 0``); softmax acts on
@@ -37,7 +43,7 @@ from typing import Any, Literal, Sequence
 import numpy as np
 
 Layout = Literal["half", "interleaved"]
-Family = Literal["dot", "qknorm", "cosine"]
+Family = Literal["dot", "qknorm", "cosine", "latent"]
 GaugeName = Literal["original", "maxkey", "pairwise"]
 
 
@@ -77,6 +83,23 @@ class RoPESpec:
 
 
 @dataclass(frozen=True)
+class LatentSpec:
+    """Multi-head latent attention (family ``"latent"``; docs/math.md section 14).
+
+    ``rank`` (``kv_lora_rank``, the latent ``c``'s width), ``rope_dim`` (the shared rotated key
+    part's width), ``q_rank`` (the query latent's width, or None where the query is a plain
+    projection of ``x``: the score is then affine in ``u``), and the two RMS norms' ``eps``.
+    The head's dims are ``[rope (rope_dim, rotated pairs); latent (rank, pairs at angle 0)]``.
+    """
+
+    rank: int
+    rope_dim: int
+    q_rank: int | None = None
+    kv_eps: float = 1e-6
+    q_eps: float = 1e-6
+
+
+@dataclass(frozen=True)
 class HeadSpec:
     """Sizes, RoPE and score family of one attention layer (all its heads)."""
 
@@ -97,6 +120,7 @@ class HeadSpec:
     # "qknorm": one RMS per head over its d dims ("head", Qwen3, Gemma 3), or one over all heads'
     # H d (resp. H_kv d) dims of a token ("all", OLMo 2); weights (d,) or (heads, d)
     norm_scope: str = "head"
+    latent: LatentSpec | None = None  # family "latent": multi-head latent attention
 
     def __post_init__(self) -> None:
         validate_spec(self)
@@ -128,8 +152,11 @@ class HeadSpec:
 
     @property
     def affine(self) -> bool:
-        """True when the score is affine in the augmented input u (so Delta M_i exists)."""
-        return self.family == "dot"
+        """True when the score is affine in the augmented input u (so Delta M_i exists): a
+        plain dot product of projections, or latent attention whose query is a plain projection
+        (the keys' norm does not matter: they are fixed features of the query's step)."""
+        return self.family == "dot" or (self.family == "latent" and self.latent is not None
+                                        and self.latent.q_rank is None)
 
 
 def validate_spec(spec: HeadSpec) -> None:
@@ -170,8 +197,48 @@ def validate_spec(spec: HeadSpec) -> None:
                 f"got cos {c.shape} and sin {s.shape}")
         if not (np.isfinite(c).all() and np.isfinite(s).all()):
             raise ValueError("RoPE tables contain NaN or inf")
-    if spec.family not in ("dot", "qknorm", "cosine"):
-        raise ValueError(f"unknown score family {spec.family!r} (dot, qknorm, cosine)")
+    if spec.family not in ("dot", "qknorm", "cosine", "latent"):
+        raise ValueError(f"unknown score family {spec.family!r} (dot, qknorm, cosine, latent)")
+    if (spec.family == "latent") != (spec.latent is not None):
+        raise ValueError("family 'latent' and a LatentSpec go together (latent=LatentSpec(...))")
+    if spec.latent is not None:
+        lt = spec.latent
+        for name in ("rank", "rope_dim"):
+            v = getattr(lt, name)
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 0:
+                raise ValueError(f"LatentSpec.{name} must be an int >= 0, got {v!r}")
+        if lt.rank < 1 or lt.rope_dim % 2 or lt.rank % 2:
+            raise ValueError(f"LatentSpec: rank >= 1 and both widths even, got rank {lt.rank}, "
+                             f"rope_dim {lt.rope_dim}")
+        if lt.rank + lt.rope_dim != spec.head_dim:
+            raise ValueError(f"latent attention: head_dim must be rope_dim + rank = "
+                             f"{lt.rope_dim + lt.rank}, got {spec.head_dim}")
+        if lt.q_rank is not None and (isinstance(lt.q_rank, bool) or int(lt.q_rank) < 1):
+            raise ValueError(f"LatentSpec.q_rank must be None or >= 1, got {lt.q_rank!r}")
+        for name in ("kv_eps", "q_eps"):
+            v = getattr(lt, name)
+            if not (math.isfinite(v) and v >= 0):
+                raise ValueError(f"LatentSpec.{name} must be finite and >= 0, got {v}")
+        if spec.n_kv_heads != spec.n_heads:
+            raise ValueError("latent attention: every query head has its own value map "
+                             f"(n_kv_heads = n_heads), got {spec.n_kv_heads} of {spec.n_heads}")
+        # the latent pairs never turn: the rotation is the first rope_dim dims' (adjacent pairs)
+        if spec.rope.layout != "interleaved":
+            raise ValueError("latent attention: RoPE layout must be 'interleaved' (the rotated "
+                             "pairs are the first rope_dim dims, adjacent)")
+        if spec.rope.per_head:
+            raise ValueError("latent attention: one RoPE base for every head")
+        h0 = lt.rope_dim // 2
+        if spec.rope.cos is not None:
+            c, s_ = np.asarray(spec.rope.cos)[:, h0:], np.asarray(spec.rope.sin)[:, h0:]
+            if not (np.all(c == 1) and np.all(s_ == 0)):
+                raise ValueError("latent attention: the RoPE tables must hold angle 0 "
+                                 "(cos 1, sin 0) on the latent pairs")
+        elif spec.rope.freqs is None:
+            raise ValueError("latent attention needs RoPESpec.freqs with 0 on the latent pairs "
+                             "(or tables with angle 0 there)")
+        if spec.rope.freqs is not None and any(float(f) != 0 for f in spec.rope.freqs[h0:]):
+            raise ValueError("latent attention: RoPESpec.freqs must be 0 on the latent pairs")
     if spec.family != "cosine" and spec.temperature is not None:
         raise ValueError("a temperature is only used by the 'cosine' family; use scale")
     if spec.family == "cosine" and spec.scale is not None:
@@ -224,9 +291,24 @@ class HeadWeights:
     k_norm: Any = None  # (d,)
     w_o: Any = None  # (H, r, hidden)
     b_o: Any = None  # (hidden,)
+    # family "latent" (LatentSpec; w_q is then (q_in, H, d) with q_in = q_rank or m, and w_k,
+    # w_v, b_k, b_v are unused): the shared key's rotated part and latent, the latent's norm,
+    # the per-head value maps, and the optional query latent with its norm
+    w_kr: Any = None  # (m, rope_dim)
+    b_kr: Any = None  # (rope_dim,)
+    w_kc: Any = None  # (m, rank)
+    b_kc: Any = None  # (rank,)
+    kv_norm: Any = None  # (rank,)
+    w_uv: Any = None  # (rank, H, r)
+    b_uv: Any = None  # (H, r)
+    w_qa: Any = None  # (m, q_rank)
+    b_qa: Any = None  # (q_rank,)
+    qa_norm: Any = None  # (q_rank,)
 
     def check(self, spec: HeadSpec, m: int | None = None) -> int:
         """Validate shapes and finiteness against ``spec``; return the input width m."""
+        if spec.family == "latent":
+            return self._check_latent(spec, m)
         H, Hk, d, r = spec.n_heads, spec.n_kv_heads, spec.head_dim, spec.r
         wq = _shape(self.w_q, "w_q")
         if len(wq) != 3:
@@ -253,6 +335,44 @@ class HeadWeights:
                 if _shape(a, name) != shp:
                     raise ValueError(f"{name} must have shape {shp}, got {_shape(a, name)}")
                 _finite(a, name)
+        if self.w_o is not None:
+            got = _shape(self.w_o, "w_o")
+            if len(got) != 3 or got[:2] != (H, r):
+                raise ValueError(f"w_o must have shape ({H}, {r}, hidden), got {got}")
+        return mm
+
+
+    def _check_latent(self, spec: HeadSpec, m: int | None) -> int:
+        lt = spec.latent
+        H, d, r = spec.n_heads, spec.head_dim, spec.r
+        if self.w_kc is None:
+            raise ValueError("family 'latent' needs w_kc (m, rank): the latent's projection")
+        mm = _shape(self.w_kc, "w_kc")[0]
+        if m is not None and mm != m:
+            raise ValueError(f"w_kc expects inputs of width {mm}, but x has width {m}")
+        q_in = mm if lt.q_rank is None else int(lt.q_rank)
+        want: dict[str, tuple[int, ...] | None] = {
+            "w_kc": (mm, lt.rank), "b_kc": (lt.rank,), "kv_norm": (lt.rank,),
+            "w_kr": (mm, lt.rope_dim), "b_kr": (lt.rope_dim,), "w_uv": (lt.rank, H, r),
+            "b_uv": (H, r), "w_q": (q_in, H, d), "b_q": (H, d),
+            "w_qa": (mm, q_in) if lt.q_rank is not None else None,
+            "b_qa": (q_in,) if lt.q_rank is not None else None,
+            "qa_norm": (q_in,) if lt.q_rank is not None else None}
+        required = {"kv_norm", "w_uv", "w_q"} | ({"w_kr"} if lt.rope_dim else set()) | (
+            {"w_qa", "qa_norm"} if lt.q_rank is not None else set())
+        for name, shp in want.items():
+            a = getattr(self, name)
+            if a is None:
+                if name in required:
+                    raise ValueError(f"family 'latent' needs {name} of shape {shp}")
+                continue
+            if shp is None:
+                raise ValueError(f"{name} is given but the LatentSpec has no query latent "
+                                 "(q_rank None)")
+            got = _shape(a, name)
+            if got != shp:
+                raise ValueError(f"{name} must have shape {shp}, got {got}")
+            _finite(a, name)
         if self.w_o is not None:
             got = _shape(self.w_o, "w_o")
             if len(got) != 3 or got[:2] != (H, r):

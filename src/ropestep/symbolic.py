@@ -1,4 +1,4 @@
-"""Exact SymPy derivations of the gradient-step identity (docs/math.md sections 2-8).
+"""Exact SymPy derivations of the gradient-step identity (docs/math.md sections 2-8 and 14).
 
 Every result is a small pure function that returns SymPy objects -- usually a *residual*, an
 expression (or matrix) that is exactly zero when the statement holds.  ``tests/test_symbolic.py``
@@ -57,6 +57,13 @@ __all__ = [
     "affine_three_point_system", "AffineWitness", "no_affine_readout_witness",
     # section 8
     "cosine_bound_residuals", "cosine_bound",
+    # section 14
+    "LatentHeads", "latent_heads", "latent_model_query", "latent_model_key", "latent_values",
+    "latent_model_scores", "latent_absorbed_query", "latent_absorbed_keys",
+    "latent_absorbed_scores", "latent_absorption_residual", "wrong_latent_absorption_untransposed",
+    "wrong_latent_absorption_misordered", "latent_query_space_matrix", "latent_identity_residual",
+    "wrong_latent_identity_swapped_values", "latent_query_map", "latent_input_space_residuals",
+    "latent_query_latent_ray", "latent_per_head_form_residuals",
 ]
 
 
@@ -1142,3 +1149,320 @@ def cosine_bound_residuals(u, a, v, tau: sp.Expr | None = None) -> dict[str, obj
 def cosine_bound(tau: sp.Expr, max_dev: sp.Expr) -> sp.Expr:
     """The bound ``(e^{2/tau} - 1) max_dev`` on ``||y - mu||`` (``max_dev = max_j ||v_j - mu||``)."""
     return (sp.exp(2 / tau) - 1) * max_dev
+
+
+# =============================================================================================
+# section 14: multi-head latent attention
+# =============================================================================================
+@dataclass(frozen=True)
+class LatentHeads:
+    """One query of a multi-head latent attention layer (docs/math.md section 14), every entry a
+    symbol, in this module's column convention (vectors are columns, values are rows).
+
+    Shared by all heads, per key ``j``: the normed latent ``c_j`` ``(rank, 1)``, the unrotated key
+    part ``kr_j`` ``(rope_dim, 1)`` and its rotation ``rot_k[j] = R(p_j)``.  Per head ``h``: the
+    query's nope part ``qn[h]`` ``(nope, 1)`` and unrotated rope part ``qr[h]`` ``(rope_dim, 1)``,
+    the key map ``w_uk[h]`` ``(nope, rank)`` (``k^n_jh = W_uk[h] c_j``, the layout of
+    transformers' ``kv_b_proj`` weight) and the value map ``w_uv[h]`` ``(r, rank)``
+    (``v_jh = (W_uv[h] c_j)^T``).  ``rot_q = R(p_i)``; ``scale`` the score scale.
+
+    When the query is a plain projection of the augmented input (no query latent), ``u``
+    ``(m+1, 1)`` and ``w_q[h]`` ``(m+1, nope + rope_dim)`` are set and ``[qn; qr] = w_q[h]^T u``.
+    How ``c_j`` and ``kr_j`` were computed (an RMS norm, biases) does not enter: they are
+    functions of the key's token only, which is all the identity needs.
+    """
+
+    qn: tuple[sp.Matrix, ...]
+    qr: tuple[sp.Matrix, ...]
+    w_uk: tuple[sp.Matrix, ...]
+    w_uv: tuple[sp.Matrix, ...]
+    c: tuple[sp.Matrix, ...]
+    kr: tuple[sp.Matrix, ...]
+    rot_q: sp.Matrix
+    rot_k: tuple[sp.Matrix, ...]
+    scale: sp.Expr
+    u: sp.Matrix | None = None
+    w_q: tuple[sp.Matrix, ...] | None = None
+
+    @property
+    def n_heads(self) -> int:
+        return len(self.w_uk)
+
+    @property
+    def n_keys(self) -> int:
+        return len(self.c)
+
+    def symbols(self) -> list[sp.Symbol]:
+        """All free symbols, sorted by name (a fixed order for lambdify)."""
+        mats = [*self.qn, *self.qr, *self.w_uk, *self.w_uv, *self.c, *self.kr, self.rot_q,
+                *self.rot_k, sp.Matrix([[self.scale]])]
+        if self.u is not None:
+            mats += [self.u, *self.w_q]
+        free: set = set()
+        for mt in mats:
+            free |= mt.free_symbols
+        return sorted(free, key=sp.default_sort_key)
+
+
+def _sym_matrix(name: str, rows: int, cols: int) -> sp.Matrix:
+    return sp.Matrix(rows, cols, lambda i, k: sp.Symbol(f"{name}_{i}{k}", real=True))
+
+
+def _rotation_blocks(tag: str, rope_dim: int, trig: bool, omegas) -> sp.Matrix:
+    """``R(p)`` on ``rope_dim`` dims (adjacent pairs): trig (``rope_rotation`` at a symbolic
+    position ``p_tag``) or free symbols ``gamma, sigma`` per pair, ``[[gamma, -sigma], [sigma,
+    gamma]]`` (the absorption and the identity never use ``gamma^2 + sigma^2 = 1``)."""
+    if rope_dim == 0:
+        return sp.zeros(0, 0)
+    if trig:
+        return rope_rotation(sp.Symbol(f"p_{tag}", real=True), omegas)
+    blocks = []
+    for ell in range(rope_dim // 2):
+        g, s = sp.symbols(f"gamma_{tag}{ell} sigma_{tag}{ell}", real=True)
+        blocks.append(sp.Matrix([[g, -s], [s, g]]))
+    return sp.diag(*blocks)
+
+
+def latent_heads(n_heads: int = 2, n_keys: int = 3, *, rank: int = 2, rope_dim: int = 2,
+                 nope: int = 2, r: int = 1, m: int | None = None,
+                 trig: bool = False) -> LatentHeads:
+    """A symbolic :class:`LatentHeads` (docs/math.md section 14).  ``m`` set: the query is the
+    projection ``[qn; qr] = w_q[h]^T u`` of an augmented input ``u`` ``(m+1, 1)``; otherwise
+    ``qn``, ``qr`` are free symbols (any query, a query latent included).  ``trig``: rotations
+    ``R(p) = e^{pA}`` with symbolic positions and frequencies (no exponential of a score may then
+    contain them: use it for score-level statements only); otherwise free rotation symbols."""
+    if rope_dim % 2:
+        raise ValueError(f"rope_dim must be even, got {rope_dim}")
+    omegas = sp.symbols(f"omega_0:{rope_dim // 2}", positive=True) if trig else ()
+    u = w_q = None
+    if m is None:
+        qn = tuple(_column(f"qn{h}", nope) for h in range(n_heads))
+        qr = tuple(_column(f"qr{h}", rope_dim) for h in range(n_heads))
+    else:
+        u = _column("u", m + 1)
+        w_q = tuple(_sym_matrix(f"Wq{h}", m + 1, nope + rope_dim) for h in range(n_heads))
+        qn = tuple(w[:, :nope].T * u for w in w_q)
+        qr = tuple(w[:, nope:].T * u for w in w_q)
+    return LatentHeads(
+        qn=qn, qr=qr,
+        w_uk=tuple(_sym_matrix(f"Wuk{h}", nope, rank) for h in range(n_heads)),
+        w_uv=tuple(_sym_matrix(f"Wuv{h}", r, rank) for h in range(n_heads)),
+        c=tuple(_column(f"c{j}", rank) for j in range(n_keys)),
+        kr=tuple(_column(f"kr{j}", rope_dim) for j in range(n_keys)),
+        rot_q=_rotation_blocks("i", rope_dim, trig, omegas),
+        rot_k=tuple(_rotation_blocks(f"k{j}", rope_dim, trig, omegas) for j in range(n_keys)),
+        scale=sp.Symbol("lambda", positive=True), u=u, w_q=w_q)
+
+
+def latent_model_query(lh: LatentHeads, h: int) -> sp.Matrix:
+    """The model's query of head ``h``: ``[qn; R(p_i) qr]`` (nope dims, then rope dims)."""
+    return sp.Matrix.vstack(lh.qn[h], lh.rot_q * lh.qr[h])
+
+
+def latent_model_key(lh: LatentHeads, h: int, j: int) -> sp.Matrix:
+    """The model's key of head ``h``, token ``j``: ``[W_uk[h] c_j; R(p_j) kr_j]``."""
+    return sp.Matrix.vstack(lh.w_uk[h] * lh.c[j], lh.rot_k[j] * lh.kr[j])
+
+
+def latent_values(lh: LatentHeads, h: int, *, value_head: int | None = None
+                  ) -> tuple[sp.Matrix, ...]:
+    """Head ``h``'s values ``v_jh = (W_uv[h] c_j)^T`` ``(1, r)`` (``value_head`` overrides which
+    head's map is used: only for the wrong statements)."""
+    w = lh.w_uv[h if value_head is None else value_head]
+    return tuple((w * cj).T for cj in lh.c)
+
+
+def latent_model_scores(lh: LatentHeads, h: int) -> list[sp.Expr]:
+    """``s_jh = scale * q_ih . k_jh`` with the model's per-head query and key."""
+    q = latent_model_query(lh, h)
+    return [lh.scale * _dot(q, latent_model_key(lh, h, j)) for j in range(lh.n_keys)]
+
+
+def latent_absorbed_query(lh: LatentHeads, h: int, *, transpose: bool = True,
+                          latent_first: bool = False) -> sp.Matrix:
+    """The absorbed query ``q'_ih = [R(p_i) qr; W_uk[h]^T qn]`` ``(rope_dim + rank, 1)``.
+
+    ``transpose=False`` (``W_uk qn``, needs ``nope == rank``) and ``latent_first=True`` (the two
+    blocks in the wrong order, needs ``rope_dim == rank``) build the wrong absorptions."""
+    w = lh.w_uk[h].T if transpose else lh.w_uk[h]
+    rope, lat = lh.rot_q * lh.qr[h], w * lh.qn[h]
+    return sp.Matrix.vstack(lat, rope) if latent_first else sp.Matrix.vstack(rope, lat)
+
+
+def latent_absorbed_keys(lh: LatentHeads) -> tuple[sp.Matrix, ...]:
+    """The key shared by every head: ``k'_j = [R(p_j) kr_j; c_j]`` ``(rope_dim + rank, 1)``."""
+    return tuple(sp.Matrix.vstack(rk * kr, cj) for rk, kr, cj in zip(lh.rot_k, lh.kr, lh.c))
+
+
+def latent_absorbed_scores(lh: LatentHeads, h: int, **wrong) -> list[sp.Expr]:
+    """``s'_jh = scale * q'_ih . k'_j``."""
+    q = latent_absorbed_query(lh, h, **wrong)
+    return [lh.scale * _dot(q, k) for k in latent_absorbed_keys(lh)]
+
+
+def latent_absorption_residual(lh: LatentHeads) -> sp.Matrix:
+    """Model score minus absorbed score, ``(H, N)`` -- exactly zero: ``qn . (W_uk c) =
+    (W_uk^T qn) . c``, and the rope parts are the same products (docs/math.md section 14)."""
+    return sp.Matrix([[a - b for a, b in zip(latent_model_scores(lh, h),
+                                            latent_absorbed_scores(lh, h))]
+                      for h in range(lh.n_heads)])
+
+
+def wrong_latent_absorption_untransposed(lh: LatentHeads) -> sp.Matrix:
+    """WRONG: the absorbed query with ``W_uk[h] qn`` in place of ``W_uk[h]^T qn``
+    (``nope == rank``).  Not identically 0."""
+    return sp.Matrix([[a - b for a, b in zip(latent_model_scores(lh, h),
+                                            latent_absorbed_scores(lh, h, transpose=False))]
+                      for h in range(lh.n_heads)])
+
+
+def wrong_latent_absorption_misordered(lh: LatentHeads) -> sp.Matrix:
+    """WRONG: the absorbed query's blocks as ``[latent; rope]`` against keys ``[rope; latent]``
+    (``rope_dim == rank``).  Not identically 0."""
+    return sp.Matrix([[a - b for a, b in zip(latent_model_scores(lh, h),
+                                            latent_absorbed_scores(lh, h, latent_first=True))]
+                      for h in range(lh.n_heads)])
+
+
+def latent_query_space_matrix(lh: LatentHeads, h: int, *, value_head: int | None = None,
+                              weights: Sequence[sp.Expr] | None = None) -> sp.Matrix:
+    """``T_ih = scale * sum_j c_ijh k'_j (v_jh - mu_ih)`` ``(rope_dim + rank, r)`` with
+    ``c_ijh = rho(s'_jh)/Z_ih`` on the absorbed scores (docs/math.md section 14), or the given
+    ``weights``."""
+    k = latent_absorbed_keys(lh)
+    v = latent_values(lh, h, value_head=value_head)
+    if weights is None:
+        s = latent_absorbed_scores(lh, h)
+        z = sp.Add(*[sp.exp(x) for x in s])
+        weights = [rho(x) / z for x in s]
+    mu = uniform_mean(v)
+    return lh.scale * _sum_rows((cj * kj * (vj - mu) for cj, kj, vj in zip(weights, k, v)),
+                                (k[0].shape[0], v[0].shape[1]))
+
+
+def latent_identity_residual(lh: LatentHeads, *, value_head_shift: int = 0) -> sp.Matrix:
+    """``y_ih - (mu_ih + q'_ih^T T_ih)`` per head, ``(H, r)`` -- exactly zero.
+
+    ``y_ih`` is the softmax over the *model's* scores (per-head keys ``[W_uk c; R kr]``) of the
+    model's values; the readout uses only the absorbed query, the shared keys ``k'_j`` and head
+    ``h``'s values (docs/math.md section 14).  ``value_head_shift = s != 0`` builds the readout
+    with head ``(h + s) mod H``'s value map (a wrong statement: not identically 0)."""
+    rows = []
+    for h in range(lh.n_heads):
+        vh = (h + value_head_shift) % lh.n_heads
+        s = latent_model_scores(lh, h)
+        v = latent_values(lh, h)
+        y = _sum_rows((sp.exp(x) * vj for x, vj in zip(s, v)), v[0].shape) / sp.Add(
+            *[sp.exp(x) for x in s])
+        mu = uniform_mean(latent_values(lh, h, value_head=vh))
+        t = latent_query_space_matrix(lh, h, value_head=vh)
+        rows.append(y - (mu + latent_absorbed_query(lh, h).T * t))
+    return sp.Matrix.vstack(*rows)
+
+
+def wrong_latent_identity_swapped_values(lh: LatentHeads) -> sp.Matrix:
+    """WRONG: each head's readout built with the next head's value map.  Not identically 0."""
+    return latent_identity_residual(lh, value_head_shift=1)
+
+
+def latent_query_map(lh: LatentHeads, h: int) -> sp.Matrix:
+    """``L_ih = [W_qr[h] R(p_i)^T, W_qn[h] W_uk[h]]`` ``(m+1, rope_dim + rank)``: the absorbed
+    query is ``q'_ih = L_ih^T u`` when the query is a projection of ``u`` (no query latent)."""
+    if lh.u is None:
+        raise ValueError("latent_query_map needs a query that is a projection of u (m given)")
+    nope = lh.qn[h].shape[0]
+    w = lh.w_q[h]
+    return sp.Matrix.hstack(w[:, nope:] * lh.rot_q.T, w[:, :nope] * lh.w_uk[h])
+
+
+def latent_input_space_residuals(lh: LatentHeads, h: int = 0) -> dict[str, sp.Matrix]:
+    """Head ``h`` of a layer whose query is a projection of ``u`` (docs/math.md section 14).
+    With features ``a_jh = scale * L_ih k'_j`` ``(m+1, 1)``; all reduce to 0:
+
+    ``query_map``     ``q'_ih - L_ih^T u``
+    ``scores``        ``model score - u^T a_jh``   (the score is linear in ``u``)
+    ``identity``      ``y_ih - (mu_ih + u^T delta_m_ih)``, ``delta_m`` of section 3 on ``a_jh``
+    ``cheap_form``    ``delta_m_ih - L_ih T_ih`` for the same weights ``c_j`` (independent
+                      symbols: the factorisation holds for any weights, and ``scores`` shows
+                      both sides see the same scores, hence the same ``rho(s_j)/Z``)
+    """
+    lmap = latent_query_map(lh, h)
+    a = tuple(lh.scale * lmap * k for k in latent_absorbed_keys(lh))
+    v = latent_values(lh, h)
+    c = _generic_weights(lh.n_keys)
+    dm = delta_m(lh.u, a, v, weights=c)
+    return {
+        "query_map": latent_absorbed_query(lh, h) - lmap.T * lh.u,
+        "scores": sp.Matrix([[x - _dot(lh.u, aj) for x, aj in zip(latent_model_scores(lh, h), a)]]),
+        "identity": identity_residual(lh.u, a, v),
+        "cheap_form": dm - lmap * latent_query_space_matrix(lh, h, weights=c),
+    }
+
+
+def _rms_normed(a: sp.Matrix, g: sp.Matrix) -> sp.Matrix:
+    """``g * a / sqrt(mean(a^2))`` (``eps = 0``), the mean square factored so that a common
+    positive factor leaves the root (``sqrt(t^2 P) = t sqrt(P)`` for ``t > 0``)."""
+    ms = sp.factor(sp.Add(*[x**2 for x in a]) / a.shape[0])
+    return sp.Matrix([gk * x for gk, x in zip(g, a)]) / sp.sqrt(ms)
+
+
+def latent_query_latent_ray(m: int = 2, q_rank: int = 2, dim: int = 2) -> dict[str, object]:
+    """Why a query latent leaves input space (docs/math.md section 14).
+
+    ``z(x) = g * RMS(W_qa^T x)`` (``eps = 0``, no bias), an absorbed query ``q' = W^T z``
+    ``(dim, 1)`` and a fixed key ``k`` give the score ``s(x) = q' . k``.  For ``t > 0``:
+
+    ``ray``        ``z(t x) - z(x)``  (reduces to 0: the query is constant along every ray)
+    ``score_ray``  ``s(t x) - s(x)``  (reduces to 0)
+    ``odd``        ``s(-x) + s(x)``   (reduces to 0: ``s`` is odd)
+
+    An affine ``s(x) = alpha . x + beta`` constant along every ray has ``t alpha . x = alpha . x``
+    for all ``t > 0``, so ``alpha = 0``: it is constant.  An odd score that is non-zero somewhere
+    is not constant, so it is not affine in ``x`` and no input-space ``delta_m`` exists.  (For
+    any ``eps`` and biases the same follows from boundedness: ``|RMS(a)_k| <= sqrt(q_rank)``, and
+    an affine function bounded on ``R^m`` is constant.)  Returns the residuals, ``x``, ``t``,
+    ``s`` and ``odd``.
+    """
+    x = _column("x", m)
+    t = sp.Symbol("t", positive=True)
+    w_qa = _sym_matrix("Wqa", m, q_rank)
+    g = _column("g", q_rank)
+    w = _sym_matrix("Wabs", q_rank, dim)
+    k = _column("k", dim)
+
+    def z(xx):
+        return _rms_normed(w_qa.T * xx, g)
+
+    def score(xx):
+        return _dot(w.T * z(xx), k)
+
+    return {"ray": z(t * x) - z(x), "score_ray": score(t * x) - score(x), "x": x, "t": t,
+            "s": score(x), "odd": score(-x) + score(x)}
+
+
+def latent_per_head_form_residuals(lh: LatentHeads, h: int = 0) -> dict[str, sp.Matrix]:
+    """The model's per-head form against the absorbed one (docs/math.md section 14), columns:
+    ``P_h = [[0, W_uk[h]^T]; [I, 0]]`` (``(nope + rope_dim) x (rope_dim + rank)``, the transpose
+    of the rows' ``Pi_h``) maps the shared key to head ``h``'s key.  All reduce to 0:
+
+    ``key``      ``k_jh - P_h k'_j``        (every ``j``, stacked)
+    ``query``    ``q'_ih - P_h^T q_ih``
+    ``matrix``   ``T^model_ih - P_h T_ih`` with ``T^model_ih = scale sum_j c_j k_jh (v_jh - mu)``
+                 for the same (generic) weights, so ``q_ih^T T^model_ih = q'_ih^T T_ih``
+    """
+    nope, rope_dim, rank = lh.qn[h].shape[0], lh.qr[h].shape[0], lh.c[0].shape[0]
+    p = sp.zeros(nope + rope_dim, rope_dim + rank)
+    p[:nope, rope_dim:] = lh.w_uk[h]
+    p[nope:, :rope_dim] = sp.eye(rope_dim)
+    keys = latent_absorbed_keys(lh)
+    c = _generic_weights(lh.n_keys)
+    v = latent_values(lh, h)
+    mu = uniform_mean(v)
+    t_model = lh.scale * _sum_rows((cj * latent_model_key(lh, h, j) * (vj - mu)
+                                    for j, (cj, vj) in enumerate(zip(c, v))),
+                                   (nope + rope_dim, v[0].shape[1]))
+    return {
+        "key": sp.Matrix.vstack(*[latent_model_key(lh, h, j) - p * k for j, k in enumerate(keys)]),
+        "query": latent_absorbed_query(lh, h) - p.T * latent_model_query(lh, h),
+        "matrix": t_model - p * latent_query_space_matrix(lh, h, weights=c),
+    }

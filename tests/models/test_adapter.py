@@ -216,27 +216,33 @@ def test_describe_smollm2(smollm2):
     assert info.max_positions == 8192
 
 
-REFUSED = {  # refused from the config alone, before any weight loads
-    "gqa_mismatch": (dict(num_key_value_heads=3), "does not divide"),
-}
+def test_sizes_come_from_the_attention_not_from_stray_config_attributes():
+    """A config attribute the architecture ignores (GPT-NeoX built with num_key_value_heads: its
+    modules have one KV head per query head) neither refuses the model nor is read: head counts
+    and head_dim are the shapes of the tensors the attention function receives."""
+    from ropestep import archzoo
+
+    cfg = archzoo.ARCHITECTURES["gpt_neox"].config()
+    cfg.num_key_value_heads = 1  # stray: GPT-NeoX's modules do not read it
+    model = archzoo._built(cfg, seed=0)
+    assert models.describe_model(cfg).n_kv_heads == 1  # the config alone says 1 ...
+    info = models.describe_model(model)
+    assert (info.n_heads, info.n_kv_heads, info.head_dim) == (4, 4, 32)  # ... the tensors 4
 
 
-@pytest.mark.parametrize("case", sorted(REFUSED))
-def test_refuses_unsupported_configs(case, tiny_config):
-    overrides, match = REFUSED[case]
-    config = tiny_config("qwen2", **overrides)
-    with pytest.raises(UnsupportedModelError, match=match) as exc:
-        models.describe_model(config)
-    print(exc.value)
-    assert "\n" not in str(exc.value)
+def test_reads_latent_attention_in_the_absorbed_form():
+    from ropestep import archzoo
 
-
-def test_refuses_latent_attention():
-    from transformers import AutoConfig
-
-    config = AutoConfig.for_model("deepseek_v3", num_hidden_layers=1)
-    with pytest.raises(UnsupportedModelError, match="multi-head latent attention"):
-        models.describe_model(config)
+    for name, q_rank, pre in (("deepseek_v3", 48, "deinterleave"), ("deepseek_v2_lite", 0, "")):
+        model = archzoo.build(name)
+        info = models.describe_model(model)
+        conv = info.conventions()[0]
+        assert conv.layout == "latent" and conv.latent[:4] == (32, 16, 16, q_rank), conv.latent
+        assert conv.latent[6] == pre
+        spec, w = models.layer_head(model, conv.layer, 8)
+        assert spec.family == "latent" and spec.head_dim == 16 + 32 and spec.r == 32
+        assert spec.affine == (q_rank == 0) and spec.n_kv_heads == spec.n_heads == 4
+        assert spec.score_scale(0) == conv.scaling  # the module's own (mscale in it)
 
 
 READ = {  # conventions the model's own modules and tensors state (read, not refused)

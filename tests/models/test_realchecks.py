@@ -1120,7 +1120,7 @@ def test_input_checks_name_the_argument_the_rule_and_the_value(tiny):
         (lambda: dmr("spec", w, x, pos, rows), "spec must be a HeadSpec, got str"),
         (lambda: dmr(cosine, w, x, pos, rows),
          "score family 'cosine' is not covered by realchecks (they cover 'dot': Llama, Qwen2; "
-         "and 'qknorm': Qwen3, Gemma 3, OLMo 2)"),
+         "'qknorm': Qwen3, Gemma 3, OLMo 2; and 'latent')"),
         (lambda: dmr(spec, w, x, pos, rows, x_kv=x), "give both x_kv and pos_kv, or neither"),
         (lambda: dmr(spec, w, x, pos, rows, x_kv=x[:, :10], pos_kv=pos),
          f"x_kv has width 10, the layer's input width is {hid}"),

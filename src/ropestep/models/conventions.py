@@ -36,7 +36,7 @@ from typing import Any, Sequence
 import torch
 
 from .. import tolerances as tl
-from ..spec import HeadSpec, HeadWeights, RoPESpec
+from ..spec import HeadSpec, HeadWeights, LatentSpec, RoPESpec
 from .errors import UnsupportedModelError, adapter_errors
 from .layouts import candidates as layout_candidates
 from .layouts import project as project_part
@@ -89,6 +89,10 @@ class LayerConventions:
     order: str = "cos_sin"
     input_dim: int | None = None  # width m of the attention's input (None: the model's hidden)
     call_args: tuple = ()  # plain arguments the module was called with (Zamba 2's layer_idx)
+    # multi-head latent attention (layout "latent", docs/math.md section 14): (rank, rope_dim,
+    # nope_dim, q_rank (0: none), kv_eps, q_eps, how the rotated part is laid out before the
+    # rotation: "" or "deinterleave" (transformers' rope_interleave))
+    latent: tuple = ()
 
     @property
     def score_scale(self) -> float:
@@ -177,11 +181,6 @@ def check_config(config: Any, name: str | None = None) -> ModelInfo:
 def _check_config(config: Any, name: str | None = None) -> ModelInfo:
     who = model_name(config, name)
     mt = getattr(config, "model_type", None)
-    for attr in ("kv_lora_rank", "q_lora_rank"):
-        if getattr(config, attr, None):
-            raise UnsupportedModelError(
-                f"{who}: model_type={mt!r} uses multi-head latent attention ({attr}="
-                f"{getattr(config, attr)}), which is not modelled")
     rp = _rope_parameters(config)
     per_type = {k: v for k, v in rp.items() if isinstance(v, dict)}
     if per_type:  # per-layer-type RoPE parameters (Gemma 3): read per layer from the model
@@ -212,11 +211,8 @@ def _check_config(config: Any, name: str | None = None) -> ModelInfo:
                 f"{who}: hidden_size={hidden} is not num_attention_heads={H} times a head_dim")
         hd = hidden // H
     hd = int(hd)
-    if hd % 2:
-        raise UnsupportedModelError(f"{who}: RoPE needs an even head_dim, got {hd}")
-    if H % Hk:
-        raise UnsupportedModelError(
-            f"{who}: num_key_value_heads={Hk} does not divide num_attention_heads={H}")
+    # head counts, head_dim and their parity are read from the attention's own tensors
+    # (_sizes): a config attribute the architecture ignores must not refuse it
     eps = next((getattr(config, a) for a in ("rms_norm_eps", "layer_norm_eps", "norm_eps",
                                              "layer_norm_epsilon")
                 if getattr(config, a, None) is not None), math.nan)
@@ -535,7 +531,11 @@ def _read_layer(model: Any, info: ModelInfo, L: int, r: AttentionRecord) -> Laye
     model_v = r.value[0, :, -n:].transpose(0, 1).to("cpu", F64)
     tries: list[str] = []
     chosen = None
-    for lname, parts in layout_candidates(attn, H, Hk, d, rv).items():
+    latent = ()
+    if is_latent(attn):  # multi-head latent attention: read in the absorbed form (section 14)
+        chosen, latent = _read_latent(attn, x64, model_q, model_k, model_v, forms, cos, sin, a,
+                                      mdt, H, d, rv, who, L)
+    for lname, parts in ({} if latent else layout_candidates(attn, H, Hk, d, rv)).items():
         for form, pairing, sgn, Rr, ct, st in _rotations(forms, cos, sin):
             ok, worst = True, []
             for nm, heads, dim, ref, g in (("q", H, d, model_q, gq), ("k", Hk, d, model_k, gk),
@@ -639,10 +639,170 @@ def _read_layer(model: Any, info: ModelInfo, L: int, r: AttentionRecord) -> Laye
         amplitude=a,
         scaling=scaling, softcap=softcap, window=window, qk_norm=qk_norm, norm_scope=scope,
         norm_eps=eps,
-        qkv_bias=parts["q"][1] is not None, o_bias=out_lin.bias is not None, sinks=sinks,
-        inv_freq=inv, output_direct=direct, output_between=between, sign=sgn,
+        qkv_bias=(parts["q"][1] is not None if parts is not None
+                  else attn.kv_a_proj_with_mqa.bias is not None),
+        o_bias=out_lin.bias is not None, sinks=sinks,
+        inv_freq=inv, output_direct=direct, output_between=between, sign=sgn, latent=latent,
         order="none" if r.cos is None else "complex" if r.complex_tables else order,
         input_dim=m, call_args=tuple(sorted(r.call.items())))
+
+
+def is_latent(attn: Any) -> bool:
+    """Multi-head latent attention as transformers writes it (DeepSeek-V2/V3 and the models
+    built on their module: MiniCPM3, Kimi, LongCat, GLM-4-MoE-Lite, ...): a shared
+    ``kv_a_proj_with_mqa`` (latent and rotated key part) and a per-head ``kv_b_proj``."""
+    import torch.nn as nn
+
+    return isinstance(getattr(attn, "kv_a_proj_with_mqa", None), nn.Linear) and \
+        isinstance(getattr(attn, "kv_b_proj", None), nn.Linear)
+
+
+def _deinterleave(n: int) -> torch.Tensor:
+    """``[0, 2, 4, ..., 1, 3, 5, ...]``: adjacent pairs to split halves (rope_interleave)."""
+    return torch.cat([torch.arange(0, n, 2), torch.arange(1, n, 2)])
+
+
+def latent_rope_order(pairing: str, pre: str, rho: int) -> torch.Tensor:
+    """The order ``Pi`` of a latent layer's raw rotated dims that makes its rotation ropestep's
+    adjacent-pair rotation: split-half pairs (l, l + rho/2) interleaved; already adjacent pairs
+    (an interleaved rotation, or transformers' ``rope_interleave``, which de-interleaves before a
+    split-half rotation) kept."""
+    if pairing == "half" and pre != "deinterleave":
+        h = rho // 2
+        return torch.stack([torch.arange(h), h + torch.arange(h)], -1).reshape(-1)
+    return torch.arange(rho)
+
+
+def _latent_parts(attn: Any, H: int, d: int, rv: int, who: str, L: int) -> dict:
+    """The linear maps and norms of a latent attention module, their sizes read from the
+    module's own tensors: ``rank`` (the latent norm's width), ``rope`` (the rest of
+    ``kv_a_proj_with_mqa``), ``nope = d - rope``, ``q_rank`` (0 without a query latent)."""
+    import torch.nn as nn
+
+    kva, kvb = attn.kv_a_proj_with_mqa, attn.kv_b_proj
+    knorm = getattr(attn, "kv_a_layernorm", None)
+    if not isinstance(knorm, nn.Module) or _norm_size(knorm) is None:
+        raise UnsupportedModelError(f"{who}: layer {L}: latent attention without a weighted "
+                                    "kv_a_layernorm")
+    rank = int(_norm_size(knorm))
+    rope = int(kva.out_features) - rank
+    nope = d - rope
+    if rope < 0 or rope % 2 or nope < 0 or kvb.in_features != rank or \
+            kvb.out_features != H * (nope + rv):
+        raise UnsupportedModelError(
+            f"{who}: layer {L}: latent attention sizes do not fit (kv_a_proj_with_mqa "
+            f"{kva.out_features} = rank {rank} + rope {rope}; kv_b_proj {kvb.out_features} != "
+            f"{H} heads x (nope {nope} + value {rv}))")
+    qa, qb = getattr(attn, "q_a_proj", None), getattr(attn, "q_b_proj", None)
+    if isinstance(qa, nn.Linear) and isinstance(qb, nn.Linear):
+        qnorm = getattr(attn, "q_a_layernorm", None)
+        if not isinstance(qnorm, nn.Module):
+            raise UnsupportedModelError(f"{who}: layer {L}: a query latent without its norm")
+        q_rank, q_lin = int(qa.out_features), qb
+    elif isinstance(getattr(attn, "q_proj", None), nn.Linear):
+        qnorm, q_rank, q_lin = None, 0, attn.q_proj
+    else:
+        raise UnsupportedModelError(f"{who}: layer {L}: latent attention with neither q_proj nor "
+                                    "q_a_proj/q_b_proj")
+    if q_lin.out_features != H * d:
+        raise UnsupportedModelError(f"{who}: layer {L}: the query projection gives "
+                                    f"{q_lin.out_features} values, not {H} heads x {d}")
+    return {"kva": kva, "kvb": kvb, "knorm": knorm, "qa": qa if q_rank else None,
+            "qnorm": qnorm, "q": q_lin, "rank": rank, "rope": rope, "nope": nope,
+            "q_rank": q_rank}
+
+
+def _normed64(z: torch.Tensor, E: torch.Tensor, g: torch.Tensor, eps: float, u: float
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``g z / sqrt(mean z^2 + eps)`` over the last dim and the first-order propagation of an
+    elementwise bound ``E`` on ``z`` through it, plus the norm's own rounding (as for QK-norm)."""
+    n = z.shape[-1]
+    rms = torch.sqrt(z.pow(2).mean(-1, keepdim=True) + eps)
+    zh = z / rms
+    E = g.abs() * (E / rms + zh.abs() * (E.amax(-1, keepdim=True) / rms)) \
+        + (math.sqrt(n) * tl.HM_LAMBDA + 8) * u * (g.abs() * zh.abs())
+    return g * zh, E
+
+
+def _lin64(part: tuple, z: torch.Tensor, E: torch.Tensor | None, mdt: torch.dtype
+           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``z W^T + b`` in float64 with its bound against the model's ``mdt`` evaluation: the
+    product's own rounding on both sides (:func:`ropestep.tolerances.rotated_projection_abs`
+    with the terms ``|z| |W|^T + |b|``) plus ``|W| E`` carried from ``z``'s bound."""
+    W = part[0].detach().to("cpu", F64)
+    b = None if part[1] is None else part[1].detach().to("cpu", F64)
+    out, A = z @ W.T, z.abs() @ W.abs().T
+    if b is not None:
+        out, A = out + b, A + b.abs()
+    k = W.shape[1] + (b is not None)
+    bound = tl.rotated_projection_abs(mdt, A, k) + tl.rotated_projection_abs(F64, A, k)
+    if E is not None:
+        bound = bound + E @ W.abs().T
+    return out, bound
+
+
+def _read_latent(attn: Any, x64: torch.Tensor, model_q: torch.Tensor, model_k: torch.Tensor,
+                 model_v: torch.Tensor, forms: list, cos: torch.Tensor, sin: torch.Tensor,
+                 a: float, mdt: torch.dtype, H: int, d: int, rv: int, who: str, L: int
+                 ) -> tuple[tuple, tuple]:
+    """Read a latent attention layer (docs/math.md section 14) from its own tensors: the model's
+    queries, keys and values recomputed in float64 from the module's maps -- the latent and
+    the query latent through their norms -- must reproduce the eager function's within the
+    propagated rounding bound, the rotated part with one of the rotations the tables allow.
+    Returns the reading's ``(layout, pairing, R, parts, form, sign)`` and the ``latent`` tuple
+    of :class:`LayerConventions`."""
+    P = _latent_parts(attn, H, d, rv, who, L)
+    rank, rope, nope = P["rank"], P["rope"], P["nope"]
+    u = tl.unit_roundoff(mdt) if mdt != F64 else 2.0 ** -53
+    n = x64.shape[0]
+    with torch.no_grad():
+        g_kv, e_kv = _norm_weight(P["knorm"], rank, f"{who}: layer {L} kv_a_layernorm")
+        kv, E_kv = _lin64((P["kva"].weight, P["kva"].bias), x64, None, mdt)
+        c, E_c = _normed64(kv[:, :rank], E_kv[:, :rank], g_kv, float(e_kv), u)
+        kr, E_kr = kv[:, rank:], E_kv[:, rank:]
+        knv, E_knv = _lin64((P["kvb"].weight, P["kvb"].bias), c, E_c, mdt)
+        knv, E_knv = knv.view(n, H, nope + rv), E_knv.view(n, H, nope + rv)
+        e_q = 0.0
+        if P["q_rank"]:
+            g_q, e_q = _norm_weight(P["qnorm"], P["q_rank"], f"{who}: layer {L} q_a_layernorm")
+            z, E_z = _lin64((P["qa"].weight, P["qa"].bias), x64, None, mdt)
+            z, E_z = _normed64(z, E_z, g_q, float(e_q), u)
+        else:
+            z, E_z = x64, None
+        q, E_q = _lin64((P["q"].weight, P["q"].bias), z, E_z, mdt)
+        q, E_q = q.view(n, H, d), E_q.view(n, H, d)
+    worst = []
+
+    def within(name: str, got: torch.Tensor, E: torch.Tensor, ref: torch.Tensor) -> bool:
+        err = (got - ref).abs()
+        worst.append(f"{name} {float(err.max()):.2e} (bound {float(E.max()):.2e})")
+        return bool((err <= E).all())
+
+    ok = within("q nope", q[..., :nope], E_q[..., :nope], model_q[..., :nope])
+    ok &= within("k nope", knv[..., :nope], E_knv[..., :nope], model_k[..., :nope])
+    ok &= within("v", knv[..., nope:], E_knv[..., nope:], model_v)
+    chosen = None
+    for form, pairing, sgn, R, ct, st in _rotations(forms, cos, sin):
+        if R != rope or sgn < 0:
+            continue
+        for pre in (("", "deinterleave") if pairing == "half" else ("",)):
+            order = _deinterleave(rope) if pre else torch.arange(rope)
+            good = True
+            for name, raw, E_raw, ref in (("q rope", q[..., nope:], E_q[..., nope:],
+                                           model_q[..., nope:]),
+                                          ("k rope", kr[:, None], E_kr[:, None],
+                                           model_k[..., nope:])):
+                rot = _rotate(raw[..., order], ct[:, None], st[:, None], pairing)
+                E = _partner(E_raw[..., order], R, pairing) * max(a, 1.0)
+                good &= within(f"{name}/{pairing}{'+' + pre if pre else ''}",
+                               rot.expand_as(ref), E.expand_as(ref), ref)
+            if good and ok:
+                chosen = ("latent", pairing, R, None, form, 1)
+                latent = (rank, rope, nope, P["q_rank"], float(e_kv), float(e_q), pre)
+                return chosen, latent
+    raise UnsupportedModelError(
+        f"{who}: layer {L}: the latent attention's queries, keys and values recomputed from its "
+        f"maps do not reproduce the module's own ({', '.join(worst)})")
 
 
 def _output_path(r: AttentionRecord, who: str, L: int) -> tuple[bool, str]:
@@ -746,8 +906,8 @@ def _sizes(info: ModelInfo, recs: dict[int, AttentionRecord]) -> ModelInfo:
 
 def _read_model(model: Any, info: ModelInfo) -> ModelInfo:
     n = len(layer_modules(model))
-    if n != info.n_layers:
-        raise UnsupportedModelError(f"{info.name}: {n} decoder layers, config says {info.n_layers}")
+    if n != info.n_layers:  # the model's own list (LongCat's config counts two per layer)
+        info = replace(info, n_layers=n)
     if model.training:
         raise RuntimeError(f"{info.name}: call model.eval() before reading conventions (dropout)")
     recs, others = probe_layers(model, PROBE_TOKENS)
@@ -906,6 +1066,9 @@ def layer_head(model: Any, layer: int, n_positions: int, *, dtype: torch.dtype =
             f"{who}: layer {layer} has attention sinks (a learned logit in the softmax "
             "denominator), which the layer paths do not model")
     attn = attention_module(layer_modules(model)[layer], who, layer)
+    if conv.layout == "latent":
+        with onloaded(attn):
+            return _latent_head(model, info, conv, attn, n_positions, dtype, device)
     H, Hk, d, r = info.n_heads, info.n_kv_heads, info.head_dim, info.r
     m = conv.input_dim or info.hidden  # Zamba 2's attention reads [h; embeddings]: 2 hidden
     with onloaded(attn):  # offloaded weights (accelerate) are read in, for this layer only
@@ -965,4 +1128,84 @@ def layer_head(model: Any, layer: int, n_positions: int, *, dtype: torch.dtype =
         softcap=conv.softcap, norm_eps=norm_eps, window=conv.window,
         norm_scope=conv.norm_scope if conv.qk_norm else "head")
     weights.check(spec, m)
+    return spec, weights
+
+
+def _latent_head(model: Any, info: ModelInfo, conv: LayerConventions, attn: Any,
+                 n_positions: int, dtype: torch.dtype, device: Any) -> tuple[HeadSpec, HeadWeights]:
+    """The absorbed form of a latent attention layer (docs/math.md section 14) as a
+    ``"latent"`` head description: per head ``h`` the query map ``[W_rope,h[Pi]; W_uk,h^T
+    W_nope,h]`` (the rotated dims in ropestep's adjacent-pair order ``Pi``, then the latent), the
+    shared key ``[x W_kr[Pi] + b; kv_norm * RMS(x W_kc + b)]``, the value map ``W_uv,h``, the query
+    latent and its norm where the model has one; the model's own tables on the rotated pairs
+    and angle 0 on the latent ones.  The absorbed query map is a float64 product of the model's
+    ``q`` and ``kv_b`` weights (the only step that is not an exact copy of a weight); the score
+    scale is the module's ``scaling`` (YaRN's mscale in it), and a table amplitude ``a`` != 1
+    multiplies the query's rotated columns by ``a^2`` (it turns those dims only)."""
+    H, d, r = info.n_heads, info.head_dim, info.r
+    who, L = info.name, conv.layer
+    rank, rope, nope, q_rank, kv_eps, q_eps, pre = conv.latent
+    P = _latent_parts(attn, H, d, r, who, L)
+    f64 = torch.float64
+    Pi = latent_rope_order(conv.pairing, pre, rope)
+
+    def t(w: Any) -> torch.Tensor | None:
+        return None if w is None else w.detach().to("cpu", f64)
+
+    Wq = t(P["q"].weight).view(H, d, -1)  # (H, nope + rope, q_in)
+    bq = t(P["q"].bias)
+    bq = None if bq is None else bq.view(H, d)
+    kvb = t(P["kvb"].weight).view(H, nope + r, rank)
+    Wuk, Wuv = kvb[:, :nope], kvb[:, nope:]  # (H, nope, rank), (H, r, rank)
+    bkvb = t(P["kvb"].bias)
+    if bkvb is not None and bool((bkvb.view(H, nope + r)[:, :nope] != 0).any()):
+        raise UnsupportedModelError(f"{who}: layer {L}: kv_b_proj has a key bias, which the "
+                                    "absorbed form does not carry")
+    # the tables' amplitude a (YaRN, LongRoPE) turns only the rotated dims: a^2 goes into the
+    # query's rotated columns, not into the score scale every dim shares (docs/math.md s. 14)
+    a2 = conv.amplitude ** 2
+    w_q = torch.cat([Wq[:, nope:][:, Pi].transpose(1, 2) * a2,  # (H, q_in, rope)
+                     Wq[:, :nope].transpose(1, 2) @ Wuk], -1)  # (H, q_in, rank)
+    b_q = None if bq is None else torch.cat(
+        [bq[:, nope:][:, Pi] * a2, (Wuk.transpose(1, 2) @ bq[:, :nope, None])[..., 0]], -1)
+    kva_w, kva_b = t(P["kva"].weight), t(P["kva"].bias)
+    g_kv, _ = _norm_weight(P["knorm"], rank, f"{who}: layer {L} kv_a_layernorm")
+    kw = {}
+    if q_rank:
+        g_q, _ = _norm_weight(P["qnorm"], q_rank, f"{who}: layer {L} q_a_layernorm")
+        kw = {"w_qa": t(P["qa"].weight).T, "b_qa": t(P["qa"].bias), "qa_norm": g_q}
+    out = output_projection(attn, who, L)[1]
+    dev = {"device": device, "dtype": dtype}
+
+    def put(x: Any) -> Any:
+        return None if x is None else x.to(**dev).contiguous()
+
+    weights = HeadWeights(
+        w_q=put(w_q.permute(1, 0, 2)), w_k=None, w_v=None, b_q=put(b_q),
+        w_kr=put(kva_w[rank:][Pi].T), b_kr=put(None if kva_b is None else kva_b[rank:][Pi]),
+        w_kc=put(kva_w[:rank].T), b_kc=put(None if kva_b is None else kva_b[:rank]),
+        kv_norm=put(g_kv), w_uv=put(Wuv.permute(2, 0, 1)),
+        b_uv=put(None if bkvb is None else bkvb.view(H, nope + r)[:, nope:]),
+        **{k: put(v) for k, v in kw.items()},
+        w_o=(put(out.weight.detach().T.reshape(H, r, -1)) if conv.output_direct else
+             torch.eye(H * r, **dev).reshape(H, r, H * r)),
+        b_o=put(out.bias.detach()) if conv.output_direct and out.bias is not None else None)
+    c, s_ = layer_tables(model, conv, torch.arange(n_positions))
+    c = _per_pair(c.detach().to("cpu", f64), conv.tables) / conv.amplitude
+    s_ = _per_pair(s_.detach().to("cpu", f64), conv.tables) / conv.amplitude
+    pad = rank // 2
+    p_dtype = next(model.parameters()).dtype
+    cos = torch.cat([c, torch.ones(n_positions, pad, dtype=f64)], -1).to(p_dtype)
+    sin = torch.cat([s_, torch.zeros(n_positions, pad, dtype=f64)], -1).to(p_dtype)
+    freqs = tuple(conv.inv_freq) + (0.0,) * pad if len(conv.inv_freq) == rope // 2 else None
+    if freqs is None:
+        raise UnsupportedModelError(f"{who}: layer {L}: the rotary module has no inv_freq of "
+                                    f"{rope // 2} frequencies")
+    spec = HeadSpec(
+        n_heads=H, n_kv_heads=H, head_dim=rope + rank, v_dim=None if r == rope + rank else r,
+        rope=RoPESpec(base=info.rope_theta if math.isfinite(info.rope_theta) else 10000.0,
+                      layout="interleaved", cos=cos.to(dtype), sin=sin.to(dtype), freqs=freqs),
+        family="latent", scale=conv.scaling, softcap=conv.softcap, window=conv.window,
+        latent=LatentSpec(rank, rope, q_rank or None, kv_eps, q_eps))
+    weights.check(spec, int(kva_w.shape[1]))
     return spec, weights

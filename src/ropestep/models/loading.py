@@ -202,7 +202,7 @@ def load_model(source: str | os.PathLike, *, revision: str | None = None,
                 except OSError:  # a read-only cache is an optimisation lost, never fatal
                     pass
         else:
-            model = AutoModelForCausalLM.from_pretrained(name, **mkw)
+            model = _causal_lm_class(config).from_pretrained(name, **mkw)
             tok = AutoTokenizer.from_pretrained(name, **kw) if tokenizer else None
             if cached is not None:
                 _write_gguf_cache(model, tok, cached, Path(name) / gguf)
@@ -219,6 +219,23 @@ def load_model(source: str | os.PathLike, *, revision: str | None = None,
             f"{model.config._attn_implementation!r} although 'eager' was requested")
     describe_model(model)  # module-level checks of every layer
     return model, tok
+
+
+def _causal_lm_class(config: Any) -> Any:
+    """``AutoModelForCausalLM``, or -- for a configuration the auto mapping does not list (a
+    multimodal model's text configuration saved alone: Emu3's, Mllama's) -- the ``*ForCausalLM``
+    class the configuration names in ``architectures``, where transformers has it."""
+    import transformers
+    from transformers import AutoModelForCausalLM
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    if type(config) in MODEL_FOR_CAUSAL_LM_MAPPING:
+        return AutoModelForCausalLM
+    for arch in getattr(config, "architectures", None) or ():
+        cls = getattr(transformers, str(arch), None)
+        if cls is not None and str(arch).endswith("ForCausalLM"):
+            return cls
+    return AutoModelForCausalLM  # its own error names the configuration class
 
 
 def add_model_arguments(p: Any) -> None:

@@ -21,7 +21,7 @@ from typing import Any
 
 from .errors import UnsupportedModelError
 
-OUTPUT_NAMES = ("o_proj", "dense", "out_proj", "c_proj")
+OUTPUT_NAMES = ("o_proj", "dense", "out_proj", "c_proj", "Wo")
 
 
 def model_name(model_or_config: Any, name: str | None = None) -> str:
