@@ -36,6 +36,7 @@ import math
 import os
 import pickle
 import platform
+import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -712,6 +713,32 @@ class _OraclePool:
             self.pool.shutdown(wait=True, cancel_futures=True)
 
 
+def _wait_for_oracle(pending: list, show: bool, t_eval: float) -> None:
+    """Wait for the oracle jobs still running (``(layer, index, job, future, context)``), one
+    line per finished job when ``show``: how many are done and, from their pace, about how long
+    the rest will take (the 50-digit rows' cost grows with ``N d m``: head_dim 256 with a 640-wide
+    input is seconds per row)."""
+    if not pending:
+        return
+    futs = {item[3]: item for item in pending}
+    left = [f for f in futs if not f.done()]
+    if not left:
+        return
+    n = len(left)
+    rows = sum(len(futs[f][2][3]) for f in left)
+    t0 = time.perf_counter()
+    if show:
+        print(f"oracle: {n} job(s), {rows} row(s) at 50 digits still running after the "
+              f"{t_eval:.0f} s of float work", file=sys.stderr, flush=True)
+    for k, f in enumerate(concurrent.futures.as_completed(left), 1):
+        if not show:
+            continue
+        el = time.perf_counter() - t0
+        eta = el / k * (n - k)
+        print(f"oracle: {k} of {n} job(s) done (layer {futs[f][0]}, context {futs[f][4]}), "
+              f"{el:.0f} s so far, about {eta:.0f} s left", file=sys.stderr, flush=True)
+
+
 def exact_sample(n_contexts: int, n_heads: int, prefix_len: int, k: int, seed: int
                  ) -> dict[int, list[tuple[int, int]]]:
     """The seeded oracle sample: ``k`` distinct ``(context, head, query)`` rows, queries in
@@ -1296,8 +1323,10 @@ def run(cfg: Config, *, progress: bool = True, command: Sequence[str] | None = N
                           "real": {L: real[L][-1] for L in layers}, "record": ctx_records[-1]}
             settle(wait=False)
             bar(context=c)
-        # the oracle rows: what is still running once the torch work is done is waited for here
+        # the oracle rows: what is still running once the torch work is done is waited for here,
+        # job by job, with a progress line and an estimate of what is left
         t = time.perf_counter()
+        _wait_for_oracle(pending, progress and rank == 0, t_eval)
         settle(wait=True)
         t_exact = t_inline + time.perf_counter() - t
     finally:
