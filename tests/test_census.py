@@ -37,17 +37,17 @@ PASSING = {
     "afmoe", "apertus", "apertus1p5_text", "arcee", "aria_text", "axk1", "bailing_hybrid",
     "bamba", "bitnet", "cohere", "cohere2", "cohere2_moe", "cwm", "deepseek_v2", "deepseek_v3",
     "deepseek_v32", "dots1", "emu3", "ergo", "ernie4_5", "ernie4_5_moe", "exaone", "exaone4",
-    "exaone_moe", "falcon_h1", "flex_olmo", "gemma", "gemma2", "gemma3_text", "glm", "glm4",
-    "glm4_moe", "glm4_moe_lite", "glm_moe_dsa", "gpt_neox", "granite", "granitemoe",
-    "granitemoehybrid", "granitemoeshared", "helium", "hy_v3", "hyperclovax", "internlm3",
-    "iquestcoder", "jais2", "kolibri1", "laguna", "lara_mini", "lfm2", "lfm2_moe", "lfm3",
-    "llama", "llama4_text", "mellum", "minicpm3", "minimax", "minimax_m2",
-    "minimax_m3_vl_text", "ministral", "ministral3", "mistral", "mixtral", "mllama",
-    "modernbert-decoder", "nanochat", "nemotron", "olmo", "olmo2", "olmo3", "olmo_hybrid",
-    "olmoe", "param2moe", "phi", "phi3", "phimoe", "qwen2", "qwen2_moe", "qwen3",
-    "qwen3_5_moe_text", "qwen3_5_text", "qwen3_moe", "qwen3_next", "sarvam_mla", "sarvam_moe",
-    "seed_oss", "smollm3", "solar_open", "stablelm", "starcoder2", "vaultgemma", "youtu",
-    "zamba2",
+    "exaone_moe", "falcon_h1", "flex_olmo", "flint", "gemma", "gemma2", "gemma3_text", "glm",
+    "glm4", "glm4_moe", "glm4_moe_lite", "glm_moe_dsa", "gpt_neox", "gpt_oss", "granite",
+    "granitemoe", "granitemoehybrid", "granitemoeshared", "helium", "hy_v3", "hy_v4",
+    "hyperclovax", "internlm3", "iquestcoder", "jais2", "kolibri1", "laguna", "lara_mini",
+    "lfm2", "lfm2_moe", "lfm3", "llama", "llama4_text", "mellum", "minicpm3", "minimax",
+    "minimax_m2", "minimax_m3_vl_text", "ministral", "ministral3", "mistral", "mixtral",
+    "mllama", "modernbert-decoder", "nanochat", "nemotron", "olmo", "olmo2", "olmo3",
+    "olmo_hybrid", "olmoe", "param2moe", "phi", "phi3", "phimoe", "qwen2", "qwen2_moe",
+    "qwen3", "qwen3_5_moe_text", "qwen3_5_text", "qwen3_moe", "qwen3_next", "sarvam_mla",
+    "sarvam_moe", "seed_oss", "smollm3", "solar_open", "stablelm", "starcoder2", "vaultgemma",
+    "youtu", "zamba2",
 }
 
 
@@ -212,7 +212,8 @@ _LATENT_PARTS = models.conventions._latent_parts
 
 @pytest.mark.parametrize("name, what", [
     ("qwen3_next", "gate"), ("nanochat", "sign"), ("bitnet", "output"), ("gpt_neox", "pairs"),
-    ("gptj", "order"), ("deepseek_v3", "latent_order"), ("deepseek_v2", "latent_split")])
+    ("gptj", "order"), ("deepseek_v3", "latent_order"), ("deepseek_v2", "latent_split"),
+    ("gpt_oss", "sink")])
 def test_a_wrong_reading_of_each_new_convention_fails_the_run(name, what, tmp_path,
                                                               monkeypatch):
     conv = models.conventions
@@ -224,6 +225,10 @@ def test_a_wrong_reading_of_each_new_convention_fails_the_run(name, what, tmp_pa
         monkeypatch.setattr(conv, "_output_path", lambda r, who, L: (True, ""))
     elif what == "pairs":  # the rotation's direction flipped after the reading
         monkeypatch.setattr(conv, "_perm", _swapped_pairs)
+    elif what == "sink":  # the sink logits read one unit off (a wrong sink logit)
+        real_sinks = conv._sinks
+        monkeypatch.setattr(conv, "_sinks", lambda attn, c: None if real_sinks(attn, c) is None
+                            else tuple(v + 1.0 for v in real_sinks(attn, c)))
     elif what == "latent_order":  # the rotated dims of a latent layer in split-half order
         monkeypatch.setattr(conv, "latent_rope_order", lambda pairing, pre, rho: torch.cat(
             [torch.arange(0, rho, 2), torch.arange(1, rho, 2)]))

@@ -14,11 +14,20 @@ weights ``c_ij = rho(s_ij) / Z'_i``.  Verified here
   the augmented coordinate) through :func:`ropestep.fast.step`, against the direct mpmath sink
   softmax -- and without the sink (power) the output is another one.
 
-The layer paths (``atlas``, ``validate``) do not feed the model's sink logits into this form yet
-and refuse such layers with one line; the adapter's reading checks the sinks on the layer's own
-output (``models/probe.py``).
+* through the head description (``HeadSpec.sinks``): the fast layer's per-query path
+  (:func:`ropestep.fast.step`, the sink appended as the last key by
+  :func:`ropestep.kernel.with_sink`) and its streamed path (:mod:`ropestep.scale`, the kernel's
+  own sink column) against the oracle's (:func:`ropestep.exact.build`, the same virtual key at 50
+  digits), in both key gauges, the matrices included; a description without the sink, or with
+  another logit, misses.
+
+The layer paths (``atlas``, ``validate``) read a model's sink logits from the parameter its eager
+call is handed (``models.conventions``) and run on this form (gpt-oss in the architecture
+matrix).
 """
 from __future__ import annotations
+
+import math
 
 import mpmath as mp
 import numpy as np
@@ -104,3 +113,51 @@ def test_the_fast_layer_reads_a_sink_as_one_more_key(seed):
     assert float(st.c.masked_fill(~torch.as_tensor(mask)[None], 1.0).min()) > 0
     plain = fast.step(spec, w, x, pos, x, pos, "causal", dtype=F64)
     assert float((plain.y - want).abs().max()) > 1e3 * tol  # power: the sink matters
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_a_head_description_with_sinks_is_the_oracles(seed):
+    from dataclasses import replace
+
+    from ropestep import scale
+
+    spec, w, x, sinks = _case(seed)
+    pos = np.arange(N)
+    E0 = exact.build(spec, w, x.numpy(), pos, x.numpy(), pos, "causal", dps=50)
+    want = exact.to_float(_direct(E0, sinks))
+    s2 = replace(spec, sinks=tuple(float(v) for v in sinks))
+    E = exact.build(s2, w, x.numpy(), pos, x.numpy(), pos, "causal", dps=50)
+    assert np.abs(exact.to_float(E.y) - want).max() <= 1e-40  # the oracle's own sink key
+    vs = np.abs(exact.to_float(E.v)).max()
+    for g in ("original", "maxkey"):
+        st = fast.step(s2, w, x, pos, x, pos, "causal", gauge=g, delta_m=True)
+        assert st.c.shape == (H, N, N + 1) and bool((st.c[:, :, -1] > 0).all())  # the sink's c
+        assert np.abs(st.y.numpy() - want).max() / vs <= tolerances.FLOAT64_REL
+        kap = st.kappa.numpy()
+        tol = np.maximum(tolerances.FLOAT64_REL, tolerances.readout_bound(
+            F64, kap, N + 1, D, np.abs(st.s.numpy()).max(-1)))
+        assert (np.abs(st.readout.numpy() - want).max(-1) / vs <= tol).all()
+        Me = exact.to_float(exact.all_delta_m(E, g))
+        mabs = np.array([[float(exact.delta_m_abs(E, h, i, g)) for i in range(N)]
+                         for h in range(H)])
+        em = np.abs(st.delta_m.numpy() - Me).max(axis=(2, 3)) / np.maximum(
+            mabs, tolerances.SCALE_GUARD)
+        assert em.max() <= tolerances.FLOAT64_REL, (g, em.max())
+        got = scale.materialise(s2, w, x, pos, gauge=g)  # the streamed path, the kernel's sink
+        assert float((got["y"] - st.y).abs().max()) / vs <= tolerances.FLOAT64_REL
+        assert (np.abs(got["readout"].numpy() - want).max(-1) / vs <= tol).all()
+    for wrong in (None, tuple(float(v) + 1.0 for v in sinks)):  # power: no sink, another logit
+        st = fast.step(replace(spec, sinks=wrong), w, x, pos, x, pos, "causal")
+        assert np.abs(st.y.numpy() - want).max() / vs > 1e6 * tolerances.FLOAT64_REL
+
+
+def test_sinks_are_one_finite_logit_per_head_and_never_capped():
+    spec, _, _, sinks = _case(0)
+    from dataclasses import replace
+
+    with pytest.raises(ValueError, match="one finite logit per query head"):
+        replace(spec, sinks=(0.0,) * (H - 1))
+    with pytest.raises(ValueError, match="one finite logit per query head"):
+        replace(spec, sinks=(math.inf,) + (0.0,) * (H - 1))
+    with pytest.raises(ValueError, match="soft-cap"):
+        replace(spec, sinks=(0.0,) * H, softcap=30.0)

@@ -136,6 +136,7 @@ def evaluate_layer(spec: HeadSpec, weights: HeadWeights, x: torch.Tensor, positi
     na = int(anchors.numel())
     T_a = torch.zeros(H, na, d, r, dtype=torch.float64, device=dev)
     mu_a = torch.zeros(H, na, r, dtype=torch.float64, device=dev)
+    b_a = torch.zeros(H, na, r, dtype=torch.float64, device=dev)  # the bias row (sinks)
     y_a = torch.zeros(H, na, r, dtype=torch.float64, device=dev)
     p_a = torch.zeros(H, na, N, dtype=torch.float64, device=dev)
     lay = spec.rope.layout
@@ -146,7 +147,8 @@ def evaluate_layer(spec: HeadSpec, weights: HeadWeights, x: torch.Tensor, positi
 
     def bound(hs, qi, kap: torch.Tensor, arith: torch.dtype) -> torch.Tensor:
         """The kappa-aware absolute bound on |readout - native| (per query of a chunk)."""
-        npre = (qi + 1).double()[None].expand_as(kap)  # causal: keys 0..i
+        # causal: keys 0..i (and the sink's)
+        npre = (qi + 1 + (spec.sinks is not None)).double()[None].expand_as(kap)
         return torch.as_tensor(tolerances.model_dtype_native_bound(
             lp_dtype, kap.double().cpu().numpy(), npre.cpu().numpy(), d, m,
             arr["score_abs"][hs[0]:hs[-1] + 1, qi].cpu().numpy(),
@@ -160,7 +162,7 @@ def evaluate_layer(spec: HeadSpec, weights: HeadWeights, x: torch.Tensor, positi
         for ch in scale.stream(spec, weights, x, positions, gauge="original", layer=L64,
                                max_bytes=max_bytes, outputs=("s", "c", "kappa")):
             _pass_original(ch, L64, arr, nat, vscale, sc, Ah, q_unrot, anchors, anchor_every,
-                           T_a, mu_a, y_a, p_a, u_all, lay, work)
+                           T_a, mu_a, y_a, p_a, u_all, lay, work, b_a)
             hs = ch.heads
             arr["native_orig_bound"][hs[0]:hs[-1] + 1, ch.queries] = bound(
                 hs, ch.queries, ch.extra["kappa"], torch.float64)
@@ -217,7 +219,7 @@ class _Work:
 
 
 def _pass_original(ch, L64, arr, nat, vscale, sc, Ah, q_unrot, anchors, anchor_every, T_a, mu_a,
-                   y_a, p_a, u_all, lay, work: _Work) -> None:
+                   y_a, p_a, u_all, lay, work: _Work, b_a: torch.Tensor) -> None:
     """Reduce one float64 original-gauge chunk into the per-query arrays (see evaluate_layer)."""
     hs, qi = ch.heads, ch.queries
     h0, h1 = hs[0], hs[-1] + 1
@@ -237,19 +239,24 @@ def _pass_original(ch, L64, arr, nat, vscale, sc, Ah, q_unrot, anchors, anchor_e
     smag = torch.maximum(smax.abs(), smin.abs())
     arr["score_abs"][h0:h1, qi] = smag
     # float64 readout bound of each query, relative to the value scale (tolerances)
-    npre = mask.sum(-1).double()[None].expand(G_, Qc)
+    npre = (mask.sum(-1).double() + (L64.spec.sinks is not None))[None].expand(G_, Qc)
     d = t.shape[-2]
     b = tolerances.readout_bound(torch.float64, kap.cpu().numpy(), npre.cpu().numpy(), d,
                                  smag.cpu().numpy())
     arr["id_bound"][h0:h1, qi] = torch.as_tensor(np.maximum(b, tolerances.FLOAT64_REL),
                                                  device=s.device)
     z = transform(s, L64.spec.softcap)  # the softmax acts on phi(s)
-    p = torch.softmax(z.masked_fill(~mask[None], -math.inf), -1)  # (G, Qc, n)
+    zm = z.masked_fill(~mask[None], -math.inf)
+    if L64.spec.sinks is not None:  # a learned sink takes its share of every row's mass
+        sk = torch.tensor([L64.spec.sinks[h] for h in hs], dtype=z.dtype, device=z.device)
+        p = torch.softmax(torch.cat((zm, sk[:, None, None].expand(G_, Qc, 1)), -1), -1)[..., :-1]
+    else:
+        p = torch.softmax(zm, -1)  # (G, Qc, n)
     arr["sink"][h0:h1, qi] = p[..., 0]
     g = L64.group_of(hs[0])
     cb = L64.cos[:, qi] if L64.cos.shape[0] == 1 else L64.cos[hs][:, qi]
     sb = L64.sin[:, qi] if L64.sin.shape[0] == 1 else L64.sin[hs][:, qi]
-    if L64.spec.softcap is None:  # the descent statistics are derived for phi = id
+    if _descent_defined(L64.spec):  # the descent statistics are derived for phi = id
         # gradient step: G_i = sum_j c_ij k~_j^T k~_j, query and input space as d x d problems;
         # input space: with B_i^T = A_h^(1/2) R_i^T (one rotation of A_h^(1/2) per query), the
         # input-space Hessian's nonzero spectrum is that of M_i = B_i^T G_i B_i (d x d), and
@@ -291,6 +298,8 @@ def _pass_original(ch, L64, arr, nat, vscale, sc, Ah, q_unrot, anchors, anchor_e
         if a in q_list:
             j = q_list.index(a)
             T_a[h0:h1, a_idx] = t[:, j]
+            if ch.b is not None:  # the bias row (attention sinks): u_i^T dM_a carries it too
+                b_a[h0:h1, a_idx] = ch.b[:, j]
             mu_a[h0:h1, a_idx] = mu[j]
             y_a[h0:h1, a_idx] = y[:, j]
             p_a[h0:h1, a_idx, :n] = p[:, j]
@@ -309,7 +318,8 @@ def _pass_original(ch, L64, arr, nat, vscale, sc, Ah, q_unrot, anchors, anchor_e
     y_fr = torch.empty_like(ya)
     for a_idx in torch.unique(aidx).tolist():
         sel = aidx == a_idx
-        y_fr[:, sel] = mu_a[h0:h1, a_idx, None] + q_at_a[:, sel] @ T_a[h0:h1, a_idx]
+        y_fr[:, sel] = (mu_a[h0:h1, a_idx, None] + q_at_a[:, sel] @ T_a[h0:h1, a_idx]
+                        + b_a[h0:h1, a_idx, None])
     not_anchor = (qi != apos)[None].expand(G_, Qc)
     nan = torch.full_like(y_fr[..., 0], math.nan)
 
@@ -353,11 +363,17 @@ def _ratio(err: np.ndarray, bound: np.ndarray) -> np.ndarray:
         return err / bound
 
 
+def _descent_defined(spec: HeadSpec) -> bool:
+    """The atlas's step statistics (docs/math.md section 3) assume ``phi = id`` and keys whose
+    features have no bias coordinate: not with a soft-cap, not with attention sinks."""
+    return spec.softcap is None and spec.sinks is None
+
+
 def summarise_layer(results: Sequence[LayerResult], spec: HeadSpec, m: int, N: int,
                     lp_dtype: torch.dtype) -> dict:
     """Pool one layer's per-context results into per-head statistics and checks."""
     H, d = spec.n_heads, spec.head_dim
-    descent = spec.softcap is None  # the step statistics assume phi = id (docs/math.md s. 3)
+    descent = _descent_defined(spec)  # the step statistics assume phi = id, no sink
     descent_in = descent and spec.affine
     heads = []
     for h in range(H):
@@ -446,10 +462,15 @@ def summarise_layer(results: Sequence[LayerResult], spec: HeadSpec, m: int, N: i
     errors = [e for r in results for e in r.errors]
     out = {"heads": heads, "errors": errors,
            "passed": not errors and all(h["passed"] for h in heads)}
-    if not descent:  # said, not left as NaN
+    if not descent and spec.softcap is not None:  # said, not left as NaN
         out["descent"] = (f"not defined: soft-capped scores (softcap {spec.softcap}); the unit "
                           "step's descent statistics are derived for phi = id (docs/math.md "
                           "section 3); the identity, gauges and frozen reuse hold as measured")
+    elif not descent:
+        out["descent"] = ("not defined here: attention sinks -- the sink key's feature lies in "
+                          "the bias coordinate, which the atlas's d x d step problems do not "
+                          "carry (docs/math.md section 13); the identity, gauges and frozen "
+                          "reuse (with the sink's bias row) hold as measured")
     if not spec.affine:  # said, not left as NaN: the input-space statistics do not exist here
         out["input_space"] = (f"not defined: the {spec.family!r} score is not affine in u, so "
                               "no input-space Delta M or Hessian exists (docs/math.md section "
@@ -506,7 +527,7 @@ def pool(done: Sequence[tuple[int, int, LayerResult]], specs: dict[int, tuple[He
     rep_lam: dict[int, list[np.ndarray]] = {L: [] for L in layers}
     for _c, L, res in sorted(done, key=lambda t: (t[0], t[1])):
         per_layer[L].append(res)
-        if specs[L][0].softcap is None:  # the step statistics assume phi = id
+        if _descent_defined(specs[L][0]):  # the step statistics assume phi = id, no sink
             rep_inc[L].append(res.arrays["inc_query"][:, -1] > 0)
             rep_lam[L].append(res.arrays["lam_query"][:, -1])
     rep_inc = {L: v for L, v in rep_inc.items() if v}

@@ -297,12 +297,17 @@ def _build(spec: HeadSpec, weights: HeadWeights, x_q: Any, pos_q: Any, x_kv: Any
     mask = resolve_mask(mask, pos_q, pos_kv, Qn, Nn, spec.window)
     Q, N, m = check_inputs(spec, weights, x_q, pos_q, x_kv, pos_kv, mask, bias)
     mask = np.asarray(mask.detach().cpu().numpy() if hasattr(mask, "detach") else mask, bool)
+    sinks = spec.sinks
+    Nx = N  # keys from x_kv; with sinks one more, the last: a zero key and value whose score is
+    if sinks is not None:  # the head's logit (an additive bias), permitted to every query
+        N = Nx + 1
+        mask = np.concatenate([mask, np.ones((Q, 1), bool)], 1)
     H, Hk, d, r = spec.n_heads, spec.n_kv_heads, spec.head_dim, spec.r
     pq, pk = _positions(pos_q, "pos_q"), _positions(pos_kv, "pos_kv")
     with mp.workprec(prec):
         X, Xk = to_mp(x_q), to_mp(x_kv)
         U = np.concatenate([X, np.full((Q, 1), mp.mpf(1), dtype=object)], 1)
-        Uk = np.concatenate([Xk, np.full((N, 1), mp.mpf(1), dtype=object)], 1)
+        Uk = np.concatenate([Xk, np.full((Nx, 1), mp.mpf(1), dtype=object)], 1)
 
         def aug(w, b, heads, dim):
             W = to_mp(w)
@@ -352,7 +357,7 @@ def _build(spec: HeadSpec, weights: HeadWeights, x_q: Any, pos_q: Any, x_kv: Any
             return 1 / mp.sqrt(fsum(x * x for x in raw) / len(raw) + mp.mpf(spec.norm_eps))
 
         inv_q = [token_inv(U[i], Wq, H) for i in range(Q)] if all_scope else None
-        inv_k = [token_inv(Uk[j], Wk, Hk) for j in range(N)] if all_scope else None
+        inv_k = [token_inv(Uk[j], Wk, Hk) for j in range(Nx)] if all_scope else None
 
         def normed(vec, w, inv=None):
             if all_scope:
@@ -382,6 +387,10 @@ def _build(spec: HeadSpec, weights: HeadWeights, x_q: Any, pos_q: Any, x_kv: Any
             # keys and values of this head's KV group, rotated with this head's base
             Rk = {}
             for j in range(N):
+                if j == Nx:  # the sink key (sinks only): zero key, zero value
+                    k_all[h, j] = [mp.mpf(0)] * d
+                    v_all[h, j] = [mp.mpf(0)] * r
+                    continue
                 if latent:
                     kraw = lat["k"][j]
                 else:
@@ -409,9 +418,11 @@ def _build(spec: HeadSpec, weights: HeadWeights, x_q: Any, pos_q: Any, x_kv: Any
                     u_all[h, i] = list(q_all[h, i]) + [mp.mpf(1)]
                 for j in range(N):
                     bij = mp.mpf(0)
-                    if slopes is not None:
+                    if j == Nx:  # the sink: its logit, and nothing position-dependent
+                        bij = mp.mpf(float(sinks[h]))
+                    elif slopes is not None:
                         bij += -mp.mpf(slopes[h]) * (int(pq[i]) - int(pk[j]))
-                    if extra is not None:
+                    if extra is not None and j < Nx:
                         bij += extra[h, i, j]
                     beta[h, i, j] = bij
                     s[h, i, j] = _dot_(q_all[h, i], k_all[h, j]) + bij

@@ -35,7 +35,7 @@ import torch
 
 from .kernel import (FLOAT_DTYPES, LOW_PRECISION, augment, augmented_weight, compute_dtype,  # noqa: F401
                      exp_dd, ftensor, gauge_chunk, latent_qkv, LATENT_FIELDS, phi1, rms_norm,
-                     scaled_phi1, transform, transform_dd, uniform_mean, unit_rows)
+                     scaled_phi1, transform, transform_dd, uniform_mean, unit_rows, with_sink)
 from .rope import (apply_rope, rope_cos_sin, rope_derivative, rope_finite_difference,  # noqa: F401
                    rope_frequencies, rope_generator, rope_phi1, rope_rotation)
 from .spec import HeadSpec, HeadWeights, check_inputs, resolve_mask, _positions
@@ -179,6 +179,10 @@ def step(spec: HeadSpec, weights: HeadWeights, x_q: Any, pos_q: Any, x_kv: Any, 
          chunk: int | None = None) -> Step:
     """Evaluate one layer's heads on queries ``x_q`` reading the bank ``x_kv``.
 
+    With attention sinks (``spec.sinks``) the bank holds one more key, the last: a zero key and
+    value whose score is the head's sink logit (:func:`ropestep.kernel.with_sink`); ``s``,
+    ``c`` and ``mask`` then have ``N + 1`` columns and ``mu`` counts the sink's zero value.
+
     ``mask``: ``"causal"``, ``"bank"`` or a boolean ``(Q, N)`` array.  ``gauge``: ``"original"``
     (``g = 0``), ``"maxkey"`` (``g = a_{i j*}``), ``"pairwise"`` or a vector ``g`` of shape
     ``(m+1,)`` or ``(H, m+1)`` (affine heads only).  ``delta_m=True`` also materialises
@@ -202,6 +206,9 @@ def step(spec: HeadSpec, weights: HeadWeights, x_q: Any, pos_q: Any, x_kv: Any, 
     cd = P.q.dtype
     mk = torch.as_tensor(np.asarray(mask) if not torch.is_tensor(mask) else mask,
                          device=P.q.device).to(torch.bool)
+    if spec.sinks is not None:  # one more key: zero key and value, the logit as its bias (last)
+        sk = torch.tensor(spec.sinks, dtype=cd, device=P.q.device)
+        P.k, P.v, mk, P.beta = with_sink(P.k, P.v, mk, P.beta, sk, Q)
     g = None
     if kind == "free":
         g = torch.as_tensor(np.asarray(gauge) if not torch.is_tensor(gauge) else gauge)

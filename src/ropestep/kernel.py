@@ -184,6 +184,25 @@ def latent_qkv(x: torch.Tensor, w: dict, heads: int, kv_eps: float, q_eps: float
     return q, k[None].expand(heads, *k.shape).contiguous(), v
 
 
+def with_sink(k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, beta: torch.Tensor | None,
+              sink: torch.Tensor, n_queries: int) -> tuple[torch.Tensor, ...]:
+    """Attention sinks as one more key (docs/math.md section 13): ``k (Gk, n, d)`` and ``v (Gk,
+    n, r)`` with a zero key and a zero value appended (the last column), ``mask (Q, n)`` with
+    that key permitted to every query, and the additive biases ``beta (G, Q, n)`` (None: zero)
+    with the sink logits ``sink (G,)`` in that column -- the sink's score ``q . 0 + sigma_h`` is
+    its logit, whatever the query.  Returns ``(k, v, mask, beta)``."""
+    G = sink.shape[0]
+    k = torch.cat((k, k.new_zeros(k.shape[0], 1, k.shape[-1])), 1)
+    v = torch.cat((v, v.new_zeros(v.shape[0], 1, v.shape[-1])), 1)
+    mask = torch.cat((mask, mask.new_ones(mask.shape[0], 1)), 1)
+    col = sink.to(k.dtype)[:, None, None].expand(G, n_queries, 1)
+    if beta is None:
+        beta = torch.cat((col.new_zeros(G, n_queries, mask.shape[1] - 1), col), -1)
+    else:
+        beta = torch.cat((beta, col.expand(beta.shape[0], n_queries, 1)), -1)
+    return k, v, mask, beta
+
+
 LATENT_FIELDS = ("w_q", "b_q", "w_kr", "b_kr", "w_kc", "b_kc", "kv_norm", "w_uv", "b_uv", "w_qa",
                  "b_qa", "qa_norm")
 
@@ -359,7 +378,8 @@ def gauge_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.T
                 softcap: float | None = None, sigma: torch.Tensor | None = None,
                 kbar: torch.Tensor | None = None, vbar: torch.Tensor | None = None,
                 pblocks: PBlocks | None = None, kappa: bool = False, coeffs: bool = True,
-                query_offset: int = 0, heads: Any = None) -> dict[str, torch.Tensor]:
+                query_offset: int = 0, heads: Any = None,
+                sink: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """The identity's objects for ``G`` heads and ``Qc`` queries reading ``n`` keys.
 
     ``q (G, Qc, d)`` effective queries; ``k (Gk, n, d)``, ``v (Gk, n, r)`` rotated keys and values
@@ -377,10 +397,21 @@ def gauge_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.T
     Returns ``s, y_c, mu_c, readout_c, t`` and, where they exist, ``c`` (not for pairwise),
     ``b`` (biases), ``w`` (free gauge), ``kappa`` (when asked: the readout sum's condition
     number, docs/math.md section 9).
+
+    ``sink (G,)``: attention sinks' logits -- one more key, zero key and value, the logit its
+    bias (:func:`with_sink`), permitted to every query; the sums run over it (``pblocks``, which
+    covers the given keys only, is then not used), and ``s``/``c`` come back without its column,
+    the sink's coefficient as ``c_sink (G, Qc)``.
     """
     if gauge not in GAUGE_KINDS:
         raise ValueError(f"unknown gauge {gauge!r}: one of {GAUGE_KINDS}")
     G, Qc, d = q.shape
+    n0 = k.shape[1]
+    if sink is not None:
+        if gauge == "pairwise":
+            raise ValueError("attention sinks: the pairwise gauge is not evaluated with a sink")
+        k, v, mask, beta = with_sink(k, v, mask, beta, sink, Qc)
+        pblocks = None
     kh = k if kbar is None else k - kbar
     vh = v if vbar is None else v - vbar
     s = q @ k.transpose(-1, -2)  # (G, Qc, n) raw scores q_i . k~_j
@@ -400,6 +431,11 @@ def gauge_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.T
                pblocks, kappa, query_offset, heads)
         if not coeffs:
             del out["c"]
+    if sink is not None:  # the sink's column out of the per-key outputs
+        if "c" in out:
+            out["c_sink"] = out["c"][..., n0]
+            out["c"] = out["c"][..., :n0]
+        out["s"] = out["s"][..., :n0]
     readout = out["readout_c"]
     if not bool(torch.isfinite(readout).all()):
         bad = (~torch.isfinite(readout)).any(-1).nonzero()[0].tolist()

@@ -869,7 +869,8 @@ def delta_m_rank(spec: HeadSpec, weights: HeadWeights, x: Any, positions: Any,
 
     The centred values ``v_j - mu_i`` sum to zero, so they span at most ``N_i - 1`` dimensions:
     the rank is at most ``bound = min(d, r, N_i - 1)``, and that sharper bound is what is judged
-    (it implies ``<= d``).  Reported per row: ``rank``, ``bound``, ``d``, ``sigma_ratio_after_d``
+    (it implies ``<= d``).  With attention sinks the sink is one more key whose feature is the
+    bias coordinate: ``bound = min(d + 1, r, N_i)``.  Reported per row: ``rank``, ``bound``, ``d``, ``sigma_ratio_after_d``
     (``sigma_{d+1} / sigma_1``, 0 when the matrix has at most ``d`` singular values) and
     ``threshold_ratio`` (threshold / ``sigma_1``).  When ``r <= d`` (every Llama/Qwen head:
     ``r = d``) the claim ``<= d`` also follows from the shapes alone; the check then certifies
@@ -901,7 +902,10 @@ def delta_m_rank(spec: HeadSpec, weights: HeadWeights, x: Any, positions: Any,
         rank = int((sv > thr).sum())
         after = float(sv[d] / sv[0]) if sv.numel() > d and smax > 0 else 0.0
         n_keys = int((pk <= pq[i]).sum())
-        bound = min(d, r, n_keys - 1)
+        # a sink is one more key, whose feature is the bias coordinate: d + 1 directions of
+        # L_i T_i + e b_i^T, and N_i + 1 centred values (docs/math.md section 13)
+        sink = int(spec.sinks is not None)
+        bound = min(d + sink, r, n_keys - 1 + sink)
         ok = bool(finite(sv) and rank <= bound)
         out_rows.append({"head": h, "query": i, "keys": n_keys, "rank": rank, "bound": bound,
                          "d": d,
@@ -1070,6 +1074,12 @@ class _Attention64:
                  x: torch.Tensor):
         self.model, self.info, self.conv = model, info, conv
         self.H, self.Hk, self.d = info.n_heads, info.n_kv_heads, info.head_dim
+        # attention sinks: the module's own logits (the parameter its eager call is handed)
+        self.sinks = None
+        if conv.sinks:
+            _, _, attn, _, _ = models.attention.layer_parts(model, conv.layer, info)
+            with onloaded(attn):
+                self.sinks = getattr(attn, conv.sink_param).detach().to("cpu", F64).reshape(-1)
         self.group = info.group
         self.scaling = conv.scaling
         n = x.shape[0]
@@ -1107,7 +1117,7 @@ class _Attention64:
             for i in rows:
                 lo = 0 if W is None else max(0, i - W + 1)  # the window, by sequence index
                 s = (q[:, i:i + 1] @ k[:, lo: i + 1].transpose(-1, -2)) * self.scaling
-                w = torch.softmax(_phi(s, self.conv.softcap), -1)  # (H, 1, i+1-lo), float64
+                w = _softmax_sinks(_phi(s, self.conv.softcap), self.sinks)  # (H, 1, keys)
                 out.append((w @ self.v[:, lo: i + 1])[:, 0])  # (H, r)
             return torch.stack(out)  # (rows, H, r)
 
@@ -1211,6 +1221,18 @@ def _row_terms(spec: HeadSpec, P: fast.Projected, qn: int, i: int, h: int):
     return q, K, V, A, G, own
 
 
+def _softmax_sinks(z: torch.Tensor, sinks: Any) -> torch.Tensor:
+    """Softmax over the last dim of ``z``; with attention sinks (a logit per head of ``z``'s
+    first dim, or one logit for a 1-D ``z``) each row's denominator holds ``e^sink`` as well
+    (a key with that score and value 0: docs/math.md section 13)."""
+    if sinks is None:
+        return torch.softmax(z, -1)
+    sk = torch.as_tensor(sinks, dtype=z.dtype).reshape(-1)
+    col = (sk.reshape(-1, *([1] * (z.dim() - 1))) if z.dim() > 1 else sk).expand(
+        *z.shape[:-1], 1)
+    return torch.softmax(torch.cat((z, col), -1), -1)[..., :-1]
+
+
 def _phi(s: torch.Tensor, softcap: float | None) -> torch.Tensor:
     """The layer's score transform: ``c tanh(s / c)`` (identity without a soft-cap)."""
     return s if softcap is None else softcap * torch.tanh(s / softcap)
@@ -1305,7 +1327,8 @@ def position_derivative(model: Any, layer: int, x: Any, positions: Any, queries:
                 th = torch.tanh(s / spec_an.softcap)
                 s, ds = spec_an.softcap * th, (1 - th * th) * ds
                 G = _capped(G, spec_an.softcap)
-            w = torch.softmax(s, 0)
+            # the weights (a sink's logit in the denominator; its own score does not move)
+            w = _softmax_sinks(s, None if spec_an.sinks is None else spec_an.sinks[h])
             dbar = (w * ds).sum()
             an = (w * (ds - dbar)) @ V
             B1, B2, B3 = _derivative_bounds(V, G)
@@ -1389,8 +1412,9 @@ def position_shift(model: Any, layer: int, x: Any, positions: Any, queries: Sequ
                 q2 = q + dq
                 K2 = K.clone()
                 K2[own] = K[own] + dk
-                y_new = torch.softmax(_phi(K2 @ q2, spec_an.softcap), 0) @ V
-                y_old = torch.softmax(_phi(K @ q, spec_an.softcap), 0) @ V
+                sk = None if spec_an.sinks is None else spec_an.sinks[h]
+                y_new = _softmax_sinks(_phi(K2 @ q2, spec_an.softcap), sk) @ V
+                y_old = _softmax_sinks(_phi(K @ q, spec_an.softcap), sk) @ V
                 G = _capped(G, spec_an.softcap)
                 D_rs = y_new - y_old
                 D_m = ym[h] - y0[qn, h]

@@ -269,7 +269,10 @@ def per_query_bytes(spec: HeadSpec, n_keys: int, m: int, dtype: torch.dtype, *, 
         words += 3 * n
     if spec.softcap is not None:
         words += 3 * n
-    words += 3 * d * r + 4 * (d + r) + 16 + min(n, DIRECT_KEYS) * (d + r)
+    # values centred per query: up to DIRECT_KEYS keys (short prefixes), every key with sinks
+    # (the sink's key is outside the shared P: kernel.gauge_chunk)
+    words += 3 * d * r + 4 * (d + r) + 16 + (
+        n + 1 if spec.sinks is not None else min(n, DIRECT_KEYS)) * (d + r)
     if delta_m and spec.affine:
         words += (m + 1) * r + 2 * d * r
     words += len(outputs) * n + (n * (r + d) if "kappa" in outputs else 0)  # kept s/c; kappa's terms
@@ -514,11 +517,14 @@ def _chunk(L: Layer, hs: list[int], hidx: torch.Tensor, qi: torch.Tensor, n_hi: 
     else:
         # short prefixes: values centred per query; long ones: one GEMM over the shared P
         v = L.v[L.kv_of_group[L.group_of(hs[0])], :n_hi]  # (n, r) uncentred values
+        sink = None if spec.sinks is None else torch.tensor(
+            [spec.sinks[h] for h in hs], dtype=cd, device=qg.device)  # one more key (kernel)
         out = gauge_chunk(qg, k[None], v[None], mask, gauge=gauge, beta=beta,
                           softcap=spec.softcap, kbar=kbar[None, None], vbar=vbar[None, None],
-                          pblocks=None if direct else PBlocks(kh, vh, pfull, key_block),
+                          pblocks=None if direct or sink is not None else
+                          PBlocks(kh, vh, pfull, key_block),
                           coeffs="c" in outputs, kappa="kappa" in outputs,
-                          query_offset=int(qi[0]), heads=hs)
+                          query_offset=int(qi[0]), heads=hs, sink=sink)
         y_c, mu_c, readout_c, t, b = (out["y_c"], out["mu_c"][0], out["readout_c"], out["t"],
                                       out.get("b"))
         s = out["s"]

@@ -121,6 +121,10 @@ class HeadSpec:
     # H d (resp. H_kv d) dims of a token ("all", OLMo 2); weights (d,) or (heads, d)
     norm_scope: str = "head"
     latent: LatentSpec | None = None  # family "latent": multi-head latent attention
+    # attention sinks (gpt-oss): one learned logit per query head in every softmax denominator,
+    # a virtual key with score sigma_h (independent of the query: an additive bias) and value 0
+    # (docs/math.md section 13); never soft-capped
+    sinks: tuple[float, ...] | None = None
 
     def __post_init__(self) -> None:
         validate_spec(self)
@@ -197,6 +201,14 @@ def validate_spec(spec: HeadSpec) -> None:
                 f"got cos {c.shape} and sin {s.shape}")
         if not (np.isfinite(c).all() and np.isfinite(s).all()):
             raise ValueError("RoPE tables contain NaN or inf")
+    if spec.sinks is not None:
+        if len(spec.sinks) != spec.n_heads or not all(math.isfinite(float(x))
+                                                      for x in spec.sinks):
+            raise ValueError(f"sinks: one finite logit per query head ({spec.n_heads}), got "
+                             f"{len(spec.sinks)}")
+        if spec.softcap is not None:
+            raise ValueError("sinks with a soft-cap: a sink logit is not capped, the kernel would "
+                             "cap it as a score (not modelled)")
     if spec.family not in ("dot", "qknorm", "cosine", "latent"):
         raise ValueError(f"unknown score family {spec.family!r} (dot, qknorm, cosine, latent)")
     if (spec.family == "latent") != (spec.latent is not None):

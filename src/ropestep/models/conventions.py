@@ -93,6 +93,7 @@ class LayerConventions:
     # nope_dim, q_rank (0: none), kv_eps, q_eps, how the rotated part is laid out before the
     # rotation: "" or "deinterleave" (transformers' rope_interleave))
     latent: tuple = ()
+    sink_param: str = ""  # the attention module's parameter its eager call is handed as sinks
 
     @property
     def score_scale(self) -> float:
@@ -428,12 +429,12 @@ def _permitted(r: AttentionRecord, n: int, who: str, L: int) -> torch.Tensor:
     return m == 0
 
 
-def _eager_reference(r: AttentionRecord, allowed: torch.Tensor, scaling: float,
-                     softcap: float | None, group: int) -> torch.Tensor:
-    """The layer's eager output recomputed in float64 from its own q, k, v: ``(n, H, r)``."""
+def _eager_probabilities(r: AttentionRecord, allowed: torch.Tensor, scaling: float,
+                         softcap: float | None, group: int) -> torch.Tensor:
+    """The layer's attention probabilities recomputed in float64 from its own q, k (and sink
+    logits, in the denominator): ``(H, n, N)``."""
     q = r.query[0].to("cpu", F64)
     k = r.key[0].to("cpu", F64).repeat_interleave(group, 0)
-    v = r.value[0].to("cpu", F64).repeat_interleave(group, 0)
     s = (q @ k.transpose(-1, -2)) * scaling
     if softcap is not None:
         s = softcap * torch.tanh(s / softcap)
@@ -441,9 +442,15 @@ def _eager_reference(r: AttentionRecord, allowed: torch.Tensor, scaling: float,
     sink = r.kwargs.get("s_aux")
     if sink is not None:
         sk = torch.as_tensor(sink).to("cpu", F64).reshape(-1, 1, 1).expand(-1, s.shape[1], 1)
-        p = torch.softmax(torch.cat([s, sk], -1), -1)[..., :-1]
-    else:
-        p = torch.softmax(s, -1)
+        return torch.softmax(torch.cat([s, sk], -1), -1)[..., :-1]
+    return torch.softmax(s, -1)
+
+
+def _eager_reference(r: AttentionRecord, allowed: torch.Tensor, scaling: float,
+                     softcap: float | None, group: int) -> torch.Tensor:
+    """The layer's eager output recomputed in float64 from its own q, k, v: ``(n, H, r)``."""
+    p = _eager_probabilities(r, allowed, scaling, softcap, group)
+    v = r.value[0].to("cpu", F64).repeat_interleave(group, 0)
     return (p @ v).transpose(0, 1)
 
 
@@ -608,24 +615,34 @@ def _read_layer(model: Any, info: ModelInfo, L: int, r: AttentionRecord) -> Laye
     if not torch.equal(allowed, want):
         raise UnsupportedModelError(
             f"{who}: layer {L}'s permitted sets are neither causal nor a causal window")
+    # eager attention takes its softmax in float32 for every storage dtype wider than it;
+    # below float32 (bf16/fp16) its scores and probabilities are stored in that dtype
+    if mdt in (torch.float32, F64):
+        tol = tl.agreement_rel_tol(torch.float32, n, d, 0)
+    else:
+        q64, k64 = r.query.to("cpu", F64), r.key.to("cpu", F64)
+        qk = float(q64.norm(dim=-1).max() * k64.norm(dim=-1).max()) * scaling
+        tol = tl.native_rel_tol_lowp(mdt, qk)
     if r.output is not None:
         ref = _eager_reference(r, allowed, scaling, softcap, H // Hk)
         got = r.output[0].to("cpu", F64)
         rel = _rel(got, ref)
-        # eager attention takes its softmax in float32 for every storage dtype wider than it;
-        # below float32 (bf16/fp16) its scores and probabilities are stored in that dtype
-        if mdt in (torch.float32, F64):
-            tol = tl.agreement_rel_tol(torch.float32, n, d, 0)
-        else:
-            q64, k64 = r.query.to("cpu", F64), r.key.to("cpu", F64)
-            qk = float(q64.norm(dim=-1).max() * k64.norm(dim=-1).max()) * scaling
-            tol = tl.native_rel_tol_lowp(mdt, qk)
         if not rel <= tol:
             raise UnsupportedModelError(
                 f"{who}: layer {L}'s eager output differs from softmax(scaling q k^T"
                 f"{', soft-capped' if softcap else ''}, masked{', with sinks' if sinks else ''})"
                 f" v by {rel:.2e} relative (bound {tol:.2e}): its score is not the one read")
     direct, between = _output_path(r, who, L)
+    sink_param = _sink_parameter(attn, kw.get("s_aux"), H, who, L) if sinks else ""
+    if sinks and r.weights is not None:  # the probabilities it returns must carry the sink's
+        # share (validate compares each candidate's own-key probability with the model's)
+        p = _eager_probabilities(r, allowed, scaling, softcap, H // Hk)
+        w = r.weights[0].to("cpu", F64)
+        if tuple(w.shape) != tuple(p.shape) or not _rel(w, p) <= tol:
+            raise UnsupportedModelError(
+                f"{who}: layer {L}'s attention returns probabilities without its sink's share "
+                "(the sink rescales the output after the softmax), so the model's own "
+                "probabilities cannot be read against the identity's")
     inv = ()
     rmod = dict(rotary_modules(model)).get(match[0]) if match is not None else None
     fr = getattr(rmod, "inv_freq", None)
@@ -644,7 +661,21 @@ def _read_layer(model: Any, info: ModelInfo, L: int, r: AttentionRecord) -> Laye
         o_bias=out_lin.bias is not None, sinks=sinks,
         inv_freq=inv, output_direct=direct, output_between=between, sign=sgn, latent=latent,
         order="none" if r.cos is None else "complex" if r.complex_tables else order,
-        input_dim=m, call_args=tuple(sorted(r.call.items())))
+        input_dim=m, call_args=tuple(sorted(r.call.items())), sink_param=sink_param)
+
+
+def _sink_parameter(attn: Any, s_aux: Any, H: int, who: str, L: int) -> str:
+    """The name of the attention module's own parameter (or buffer) that its eager call was
+    handed as the sink logits (``s_aux``): one per query head, the same values."""
+    got = torch.as_tensor(s_aux).detach().reshape(-1)
+    if got.numel() != H:
+        raise UnsupportedModelError(f"{who}: layer {L}'s sink logits are {got.numel()} values, "
+                                    f"not one per query head ({H})")
+    for name, t in (*attn.named_parameters(recurse=False), *attn.named_buffers(recurse=False)):
+        if t.numel() == H and torch.equal(t.detach().reshape(-1).to(got.device, got.dtype), got):
+            return name
+    raise UnsupportedModelError(f"{who}: layer {L}'s sink logits are not a parameter of its "
+                                f"{type(attn).__name__}")
 
 
 def is_latent(attn: Any) -> bool:
@@ -1054,17 +1085,14 @@ def layer_head(model: Any, layer: int, n_positions: int, *, dtype: torch.dtype =
     (:func:`ropestep.models.capture` then gives the concatenated heads as the write ``o``).
     RoPE: :func:`rope_tables`; the score scale is the
     layer's ``scaling`` times ``a^2``; soft-capping and the sliding window (``spec.window``:
-    keys at distance ``>= window`` leave every permitted set) as the layer's.  A layer with
-    attention sinks is refused (not modelled by the layer paths).
+    keys at distance ``>= window`` leave every permitted set) as the layer's; attention sinks
+    (``spec.sinks``) are the module's own logits, read from the parameter its eager call is
+    handed.
     """
     info = info if info is not None and info.layers else describe_model(model)
     check_layer_index(info, layer)
     conv = info.layers[layer]
     who = info.name
-    if conv.sinks:
-        raise UnsupportedModelError(
-            f"{who}: layer {layer} has attention sinks (a learned logit in the softmax "
-            "denominator), which the layer paths do not model")
     attn = attention_module(layer_modules(model)[layer], who, layer)
     if conv.layout == "latent":
         with onloaded(attn):
@@ -1120,7 +1148,7 @@ def layer_head(model: Any, layer: int, n_positions: int, *, dtype: torch.dtype =
     if conv.rotary_dim == 0 or conv.inv_freq:
         freqs = tuple(conv.inv_freq) + (0.0,) * (d // 2 - len(conv.inv_freq))
     spec = HeadSpec(
-        n_heads=H, n_kv_heads=Hk, head_dim=d, v_dim=None if r == d else r,
+        sinks=_sinks(attn, conv), n_heads=H, n_kv_heads=Hk, head_dim=d, v_dim=None if r == d else r,
         rope=RoPESpec(base=info.rope_theta if math.isfinite(info.rope_theta) else 10000.0,
                       layout="half" if conv.pairing == "half" else "interleaved",
                       cos=cos.to(dtype), sin=sin.to(dtype), freqs=freqs),
@@ -1129,6 +1157,15 @@ def layer_head(model: Any, layer: int, n_positions: int, *, dtype: torch.dtype =
         norm_scope=conv.norm_scope if conv.qk_norm else "head")
     weights.check(spec, m)
     return spec, weights
+
+
+def _sinks(attn: Any, conv: LayerConventions) -> tuple[float, ...] | None:
+    """The layer's sink logits (its module's own parameter, read), or None without sinks."""
+    if not conv.sinks:
+        return None
+    with onloaded(attn):
+        t = getattr(attn, conv.sink_param).detach().to("cpu", torch.float64).reshape(-1)
+    return tuple(float(v) for v in t)
 
 
 def _latent_head(model: Any, info: ModelInfo, conv: LayerConventions, attn: Any,
@@ -1206,6 +1243,6 @@ def _latent_head(model: Any, info: ModelInfo, conv: LayerConventions, attn: Any,
         rope=RoPESpec(base=info.rope_theta if math.isfinite(info.rope_theta) else 10000.0,
                       layout="interleaved", cos=cos.to(dtype), sin=sin.to(dtype), freqs=freqs),
         family="latent", scale=conv.scaling, softcap=conv.softcap, window=conv.window,
-        latent=LatentSpec(rank, rope, q_rank or None, kv_eps, q_eps))
+        latent=LatentSpec(rank, rope, q_rank or None, kv_eps, q_eps), sinks=_sinks(attn, conv))
     weights.check(spec, int(kva_w.shape[1]))
     return spec, weights
