@@ -26,7 +26,9 @@ from ropestep import archzoo, cli, models, tolerances  # noqa: E402
 
 # what is not modelled yet: per command, the words its one-line refusal must contain (a
 # command not named here must pass every check)
-EXPECTED_REFUSALS: dict = {}
+EXPECTED_REFUSALS = {
+    "persimmon": {"atlas": "RMSNorm convention", "validate": "RMSNorm convention"},
+}
 ATLAS = ["--contexts", "1", "--len", "40", "--layers", "all", "--anchor-every", "16",
          "--seed", "3", "--no-figures"]
 VALIDATE = ["--corpus", "default", "--contexts", "1", "--queries", "5", "--prefix-len", "40",

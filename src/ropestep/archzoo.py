@@ -241,6 +241,27 @@ ARCHITECTURES.update({
         base=_MHA, **{**_MLA, "q_lora_rank": None}, rope_parameters=dict(_ROPE)),
 })
 
+ARCHITECTURES.update({
+    "falcon": _arch(
+        "falcon", "multi-query attention in one fused query_key_value ([q heads; k; v]), "
+        "parallel attention/MLP, LayerNorm, no biases",
+        base=_MHA, multi_query=True, new_decoder_architecture=False, alibi=False,
+        rope_parameters=dict(_ROPE)),
+    "falcon_grouped": _arch(
+        "falcon", "Falcon's new decoder architecture: query_key_value grouped per KV head "
+        "([its 2 q heads; k_g; v_g] for each of 2 groups)",
+        base=_MHA, num_kv_heads=KV_HEADS, new_decoder_architecture=True, alibi=False,
+        rope_parameters=dict(_ROPE)),
+})
+
+ARCHITECTURES.update({
+    "persimmon": _arch(
+        "persimmon", "per-head LayerNorm QK-norm with a bias (qk_layernorm: mean removed, not "
+        "an RMS norm), fused per-head query_key_value, partial rotary 0.5: refused (the "
+        "LayerNorm form is not modelled)",
+        base=_MHA, qk_layernorm=True, partial_rotary_factor=0.5, rope_parameters=dict(_ROPE)),
+})
+
 # name -> why transformers 5.24 cannot build it offline on CPU in float32 (filled in only for
 # configurations that were tried and failed; see the module docstring).
 NOT_BUILDABLE: dict[str, str] = {}

@@ -182,7 +182,7 @@ def _model_parts(model: Any, layer: Any) -> tuple[models.ModelInfo, Any, dict]:
     if not 0 <= int(layer) < info.n_layers:
         raise ValueError(f"{info.name}: layer {layer} out of range 0..{info.n_layers - 1}")
     _, conv, _, parts, _ = models.attention.layer_parts(model, int(layer), info)
-    return info, conv, parts
+    return info.for_layer(int(layer)), conv, parts
 
 
 def _head(model: Any, layer: int, n_positions: int, head: Any) -> tuple[HeadSpec, HeadWeights]:
@@ -221,6 +221,7 @@ def _model_norms(model: Any, layer: int, info: models.ModelInfo, conv: Any) -> d
     if not conv.qk_norm:
         return None
     _, _, attn, _, _ = models.attention.layer_parts(model, int(layer), info)
+    info = info.for_layer(int(layer))
     H, Hk, d = info.n_heads, info.n_kv_heads, info.head_dim
     full = conv.norm_scope == "all"
     out: dict = {"scope": conv.norm_scope}
@@ -418,7 +419,7 @@ def conventions(model: Any, layer: int, x: Any, positions: Any, *,
                 + _normalised_abs(F64, z, A, kterms, g, eps, norms["scope"], 5))
         return (models.attention.pair_sum(both, conv)[..., perm] * max(a, 1.0)).transpose(0, 1)
 
-    Av = abs_terms(parts["v"], Hk, False).repeat_interleave(group, 0)
+    Av = abs_terms(parts["v"], Hk, False).repeat_interleave(group, 0) * abs(conv.value_scale)
     if norms is None:
         Aq = abs_terms(parts["q"], H, True)
         Ak = abs_terms(parts["k"], Hk, True).repeat_interleave(group, 0)
@@ -1094,7 +1095,8 @@ class _Attention64:
 
         with torch.no_grad():
             self.q, self.k = proj(parts["q"], self.H, "q"), proj(parts["k"], self.Hk, "k")
-            self.v = proj(parts["v"], self.Hk).repeat_interleave(self.group, 0)
+            # the module's own value scale (MiMo-V2's v_scale; 1 elsewhere), as its forward
+            self.v = proj(parts["v"], self.Hk).repeat_interleave(self.group, 0) * conv.value_scale
         self.n = n
         # the adapter's reading of the layer's rotary module (its inv_freq buffer, or the buffer
         # of this layer's type where the module holds one per type: Gemma 3)

@@ -27,6 +27,7 @@ def layer_parts(model: Any, layer: int, info: ModelInfo | None = None
     """``(info, conventions, attention module, {"q"|"k"|"v": (W, b)}, output projection)``."""
     info = info if info is not None and info.layers else describe_model(model)
     check_layer_index(info, layer)
+    info = info.for_layer(layer)
     conv = info.layers[layer]
     attn = attention_module(layer_modules(model)[layer], info.name, layer)
     if offloaded(attn):  # copies, read in through the offload hook (accelerate)

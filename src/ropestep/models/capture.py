@@ -85,8 +85,8 @@ def _take(rec: dict, info: ModelInfo, calls: int,
     """Check that every layer's attention ran once per forward pass (its attention function
     and its output projection included), then stack the records per layer."""
     out = {}
-    H, r = info.n_heads, info.r
     for L, rs in rec.items():
+        H, r = info.n_heads, info.for_layer(L).r
         ok = [x for x in rs if x.kwargs.get("_seen") and x.hidden is not None
               and x.output is not None and x.o_out is not None]
         if len(rs) != calls or len(ok) != calls:

@@ -80,6 +80,7 @@ class LayerConventions:
     # output is taken from the attention function and W_o's statements are not defined)
     output_direct: bool = True
     output_between: str = ""  # what sits between, where output_direct is False
+    sizes: tuple = ()  # (heads, KV heads, head_dim, value dim) of this layer, as read
     # +1: the pair (a, b) turns as (a cos - b sin, b cos + a sin) (HF's rotate_half); -1: by the
     # opposite angle (nanochat's rotate_half is cat(x2, -x1)) -- ropestep then swaps each pair's
     # two dims in its head-dim order (:func:`_perm`), which turns it the usual way
@@ -94,6 +95,7 @@ class LayerConventions:
     # rotation: "" or "deinterleave" (transformers' rope_interleave))
     latent: tuple = ()
     sink_param: str = ""  # the attention module's parameter its eager call is handed as sinks
+    value_scale: float = 1.0  # a constant the module multiplies its values by (MiMo-V2's v_scale)
 
     @property
     def score_scale(self) -> float:
@@ -154,6 +156,17 @@ class ModelInfo:
         """The read layers' conventions, in layer order."""
         return [c for c in self.layers if c is not None]
 
+    def for_layer(self, layer: int) -> "ModelInfo":
+        """This description with layer ``layer``'s own sizes (KV heads, head_dim, value dim
+        may differ by layer: MiMo-V2-Flash, Gemma 4)."""
+        c = self.layers[layer] if self.layers and 0 <= layer < len(self.layers) else None
+        if c is None or not c.sizes:
+            return self
+        _, Hk, d, r = c.sizes
+        if (Hk, d, r) == (self.n_kv_heads, self.head_dim, self.r):
+            return self
+        return replace(self, n_kv_heads=Hk, head_dim=d, v_dim=None if r == d else r)
+
 
 # ---------------------------------------------------------------------------------------------
 # the config
@@ -169,6 +182,16 @@ def _rope_parameters(config: Any) -> dict:
 # read the model: its rotary module is then read from the model's own calls)
 ROPE_HINTS = ("rope_theta", "rope_parameters", "rotary_dim", "rotary_pct", "rotary_emb_base",
               "partial_rotary_factor", "rope_scaling")
+
+
+def _config_value(config: Any, name: str) -> Any:
+    """``config.<name>``, or None where the config has none or refuses to give one value for
+    every layer (transformers' per-layer attributes: Gemma 4's head_dim): the layers' own
+    tensors say it then (:func:`_sizes`)."""
+    try:
+        return getattr(config, name, None)
+    except Exception:  # noqa: BLE001 - AmbiguousGlobalPerLayerAttributeError and the like
+        return None
 
 
 def check_config(config: Any, name: str | None = None) -> ModelInfo:
@@ -204,8 +227,8 @@ def _check_config(config: Any, name: str | None = None) -> ModelInfo:
         raise UnsupportedModelError(f"{who}: model_type={mt!r} lacks hidden_size, "
                                     "num_attention_heads or num_hidden_layers")
     hidden, H = int(hidden), int(H)
-    Hk = int(getattr(config, "num_key_value_heads", None) or H)
-    hd = getattr(config, "head_dim", None)
+    Hk = int(_config_value(config, "num_key_value_heads") or H)
+    hd = _config_value(config, "head_dim")  # may vary by layer (Gemma 4): read from the layers
     if hd is None:
         if hidden % H:
             raise UnsupportedModelError(
@@ -539,6 +562,7 @@ def _read_layer(model: Any, info: ModelInfo, L: int, r: AttentionRecord) -> Laye
     tries: list[str] = []
     chosen = None
     latent = ()
+    vscale = _value_scale(attn)
     if is_latent(attn):  # multi-head latent attention: read in the absorbed form (section 14)
         chosen, latent = _read_latent(attn, x64, model_q, model_k, model_v, forms, cos, sin, a,
                                       mdt, H, d, rv, who, L)
@@ -548,6 +572,8 @@ def _read_layer(model: Any, info: ModelInfo, L: int, r: AttentionRecord) -> Laye
             for nm, heads, dim, ref, g in (("q", H, d, model_q, gq), ("k", Hk, d, model_k, gk),
                                            ("v", Hk, rv, model_v, None)):
                 W, b = parts[nm]
+                if nm == "v" and vscale != 1.0:  # the module scales its values (MiMo-V2)
+                    W, b = W * vscale, (None if b is None else b * vscale)
                 if tuple(W.shape) != (heads * dim, m):
                     ok = False
                     worst.append(f"{nm} rows {tuple(W.shape)} != {(heads * dim, m)}")
@@ -650,6 +676,8 @@ def _read_layer(model: Any, info: ModelInfo, L: int, r: AttentionRecord) -> Laye
         fr = getattr(rmod, f"{match[1]}_inv_freq", None)
     if torch.is_tensor(fr) and fr.numel() == Rr // 2 and Rr:
         inv = tuple(float(v) for v in fr.detach().to("cpu", F64))
+    elif Rr and match is not None and a == 1.0:  # a module that keeps only its tables (GPT-J)
+        inv = _frequencies_from_tables(model, match, order, form, Rr, r.hidden)
     return LayerConventions(
         layer=L, attention=type(attn).__name__, layout=lname, output=out_name,
         rotary=rot_name if Rr else None, rotary_dim=Rr, pairing=pairing, tables=form,
@@ -660,6 +688,7 @@ def _read_layer(model: Any, info: ModelInfo, L: int, r: AttentionRecord) -> Laye
                   else attn.kv_a_proj_with_mqa.bias is not None),
         o_bias=out_lin.bias is not None, sinks=sinks,
         inv_freq=inv, output_direct=direct, output_between=between, sign=sgn, latent=latent,
+        value_scale=vscale,
         order="none" if r.cos is None else "complex" if r.complex_tables else order,
         input_dim=m, call_args=tuple(sorted(r.call.items())), sink_param=sink_param)
 
@@ -836,6 +865,65 @@ def _read_latent(attn: Any, x64: torch.Tensor, model_q: torch.Tensor, model_k: t
         f"maps do not reproduce the module's own ({', '.join(worst)})")
 
 
+VALUE_SCALE_NAMES = ("v_scale", "value_scale")
+
+
+def _value_scale(attn: Any) -> float:
+    """The constant an attention module multiplies its values by, where it names one (a float
+    attribute ``v_scale``: MiMo-V2-Flash); 1 otherwise.  The reading then reproduces the
+    module's own values only with it, so a wrong one is refused there."""
+    for name in VALUE_SCALE_NAMES:
+        v = getattr(attn, name, None)
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
+            return float(v)
+    return 1.0
+
+
+FREQ_PROBE = 64  # positions the frequencies read from a rotary module's tables must reproduce
+FREQ_ULPS = 8  # how far (in units of the tables' dtype) from the estimate a frequency is sought
+
+
+def _frequencies_from_tables(model: Any, match: tuple, order: str, form: str, R: int,
+                             like: torch.Tensor) -> tuple[float, ...]:
+    """The angular frequencies of a rotary module that keeps no ``inv_freq`` (GPT-J's and
+    CodeGen's keep a table of sines and cosines): estimated from its own tables at positions 1
+    and ``FREQ_PROBE - 1`` (the angle unwrapped), rounded to the tables' dtype and its nearest
+    neighbours, and kept only where ``sin``/``cos`` of ``position * frequency``, computed in that
+    dtype, reproduce the module's tables at every position ``0 .. FREQ_PROBE - 1`` bit for bit.
+    Empty when any pair has no such frequency (the checks that need exact angles then say so)."""
+    name, lt = match
+    P = FREQ_PROBE
+    pos = torch.arange(P)
+    lk = torch.zeros(1, 1, 1, dtype=like.dtype, device=like.device)
+    try:
+        c, s = _table_call(model, pos, lk, name, lt, order)
+    except Exception:  # noqa: BLE001 - tables this module cannot give at these positions
+        return ()
+    c, s = _per_pair(c.detach().cpu(), form), _per_pair(s.detach().cpu(), form)  # (P, R/2)
+    dt = c.dtype
+    c64, s64 = c.to(F64), s.to(F64)
+    w1 = torch.atan2(s64[1], c64[1])
+    th = torch.atan2(s64[P - 1], c64[P - 1])
+    k = torch.round(((P - 1) * w1 - th) / (2 * math.pi))
+    est = ((th + 2 * math.pi * k) / (P - 1)).to(dt)
+    pf = pos.to(dt)[:, None]
+    out = []
+    for l in range(R // 2):
+        up = down = est[l:l + 1]
+        cands = [up]
+        for _ in range(FREQ_ULPS):  # the estimate's neighbours in the tables' dtype, both ways
+            up = torch.nextafter(up, torch.full_like(up, math.inf))
+            down = torch.nextafter(down, torch.full_like(down, -math.inf))
+            cands += [up, down]
+        found = next((w for w in cands
+                      if torch.equal(torch.cos(pf * w)[:, 0], c[:, l])
+                      and torch.equal(torch.sin(pf * w)[:, 0], s[:, l])), None)
+        if found is None:
+            return ()
+        out.append(float(found[0]))
+    return tuple(out)
+
+
 def _output_path(r: AttentionRecord, who: str, L: int) -> tuple[bool, str]:
     """Whether the output projection's input is the attention function's output itself
     (bit for bit, as ``reshape`` leaves it), and if not, what differs."""
@@ -910,29 +998,34 @@ def describe_model(model_or_config: Any, *, fresh: bool = False) -> ModelInfo:
     return out
 
 
-def _sizes(info: ModelInfo, recs: dict[int, AttentionRecord]) -> ModelInfo:
-    """Head count, KV head count, head_dim and value dim from the tensors the softmax layers'
-    attention functions received -- not from config attributes an architecture may ignore --
-    the same in every read layer."""
+def _sizes(info: ModelInfo, recs: dict[int, AttentionRecord]
+           ) -> tuple[ModelInfo, dict[int, tuple[int, int, int, int]]]:
+    """Head count, KV head count, head_dim and value dim from the tensors each softmax layer's
+    attention function received -- not from config attributes an architecture may ignore.
+    The query head count must be the same in every read layer (heads are named across layers);
+    KV heads, head_dim and value dim may differ by layer (MiMo-V2-Flash, Gemma 4): the model's
+    are the first read layer's, each layer's its own (:meth:`ModelInfo.for_layer`)."""
     got = {}
     for L, r in recs.items():
         if r.query is None or r.key is None or r.value is None or r.query.dim() != 4:
             raise UnsupportedModelError(f"{info.name}: layer {L}'s attention function was not "
                                         "given (batch, heads, tokens, dim) queries, keys, values")
-        got[L] = (int(r.query.shape[1]), int(r.key.shape[1]), int(r.query.shape[-1]),
-                  int(r.value.shape[-1]))
-    sizes = set(got.values())
-    if len(sizes) != 1:
+        H, Hk, d, rv = (int(r.query.shape[1]), int(r.key.shape[1]), int(r.query.shape[-1]),
+                        int(r.value.shape[-1]))
+        if H % Hk:
+            raise UnsupportedModelError(f"{info.name}: layer {L}'s attention has {Hk} KV heads "
+                                        f"for {H} query heads (not a divisor)")
+        if d % 2:
+            raise UnsupportedModelError(f"{info.name}: RoPE needs an even head_dim, layer {L} "
+                                        f"has {d}")
+        got[L] = (H, Hk, d, rv)
+    heads = {v[0] for v in got.values()}
+    if len(heads) != 1:
         raise UnsupportedModelError(
-            f"{info.name}: the softmax layers differ in (heads, KV heads, head_dim, value dim): "
-            + ", ".join(f"layer {L} {v}" for L, v in got.items()))
-    H, Hk, d, r = sizes.pop()
-    if H % Hk:
-        raise UnsupportedModelError(f"{info.name}: the attention has {Hk} KV heads for {H} "
-                                    "query heads (not a divisor)")
-    if d % 2:
-        raise UnsupportedModelError(f"{info.name}: RoPE needs an even head_dim, got {d}")
-    return replace(info, n_heads=H, n_kv_heads=Hk, head_dim=d, v_dim=None if r == d else r)
+            f"{info.name}: the softmax layers differ in query head count: "
+            + ", ".join(f"layer {L} {v[0]}" for L, v in got.items()))
+    H, Hk, d, r = next(iter(got.values()))
+    return replace(info, n_heads=H, n_kv_heads=Hk, head_dim=d, v_dim=None if r == d else r), got
 
 
 def _read_model(model: Any, info: ModelInfo) -> ModelInfo:
@@ -947,12 +1040,14 @@ def _read_model(model: Any, info: ModelInfo) -> ModelInfo:
         raise UnsupportedModelError(
             f"{info.name}: no layer computes softmax attention the adapter can read (layer {L}: "
             f"{why})")
-    info = _sizes(info, recs)
+    info, sizes = _sizes(info, recs)
     read: dict[int, LayerConventions] = {}
     for L, r in recs.items():
+        H, Hk, d, rv = sizes[L]
+        mine = replace(info, n_kv_heads=Hk, head_dim=d, v_dim=None if rv == d else rv)
         with adapter_errors(info.name, f"reading layer {L} "
                             f"({type(attention_module(layer_modules(model)[L], info.name, L)).__name__})"):
-            read[L] = read_layer(model, info, L, r)
+            read[L] = replace(read_layer(model, mine, L, r), sizes=sizes[L])
     layers = tuple(read.get(L) for L in range(n))
     unseen = [c for c in read.values() if c.window is not None and c.window >= PROBE_TOKENS]
     wide = max((c.window for c in unseen), default=0)
@@ -1042,6 +1137,7 @@ def rope_tables(model: Any, n_positions: int, layer: int = 0, *,
     """
     info = info if info is not None and info.layers else describe_model(model)
     check_layer_index(info, layer)
+    info = info.for_layer(layer)
     if n_positions < 1:
         raise ValueError(f"n_positions must be >= 1, got {n_positions}")
     conv = info.layers[layer]
@@ -1091,6 +1187,7 @@ def layer_head(model: Any, layer: int, n_positions: int, *, dtype: torch.dtype =
     """
     info = info if info is not None and info.layers else describe_model(model)
     check_layer_index(info, layer)
+    info = info.for_layer(layer)
     conv = info.layers[layer]
     who = info.name
     attn = attention_module(layer_modules(model)[layer], who, layer)
@@ -1122,9 +1219,10 @@ def layer_head(model: Any, layer: int, n_positions: int, *, dtype: torch.dtype =
         direct = conv.output_direct
         weights = HeadWeights(
             w_q=w(parts["q"], H, d, True), w_k=w(parts["k"], Hk, d, True),
-            w_v=w(parts["v"], Hk, r, False),
+            w_v=w(parts["v"], Hk, r, False) * conv.value_scale,
             b_q=b(parts["q"], H, d, True), b_k=b(parts["k"], Hk, d, True),
-            b_v=b(parts["v"], Hk, r, False),
+            b_v=(None if parts["v"][1] is None else
+                 b(parts["v"], Hk, r, False) * conv.value_scale),
             # W_o where its input is the heads' output; where a norm or gate sits in between,
             # the write is taken in head space: W_o the identity on the concatenated heads
             w_o=(out.weight.detach().T.reshape(H, r, -1).to(device=device, dtype=dtype)

@@ -4,7 +4,11 @@ This is the one convention that cannot be read off a module's attributes (a fuse
 does not say how its rows split), so each layout known to transformers is one entry here:
 
 * ``separate`` -- ``q_proj``, ``k_proj``, ``v_proj`` (Llama, Qwen, Mistral, Gemma, Phi, ...);
-* ``fused`` -- one ``qkv_proj`` whose rows are ``[q heads; k heads; v heads]`` (Phi-3);
+* ``fused`` -- one ``qkv_proj`` (``query_key_value``, ``Wqkv``) whose rows are ``[q heads; k
+  heads; v heads]`` (Phi-3, Falcon's multi-query form);
+* ``grouped`` -- one fused map whose rows are, KV group by KV group, ``[its q heads; k_g; v_g]``
+  (Falcon's new decoder architecture);
+* ``model_parallel`` -- CodeGen's ``qkv_proj`` in ``mp_num`` shards of ``[q; v; k]`` rows;
 * ``per_head`` -- one ``query_key_value`` whose rows are, head by head, ``[q_h; k_h; v_h]``
   (GPT-NeoX: ``view(..., -1, 3 d).chunk(3)``);
 * ``gated`` -- ``q_proj`` rows, head by head, ``[q_h; g_h]``: the query and an output gate
@@ -58,8 +62,15 @@ def gated(attn: Any, H: int, Hk: int, d: int, r: int) -> dict | None:
     return {"q": _wb(q, idx=rows), "k": _wb(k, slice(None)), "v": _wb(v, slice(None))}
 
 
+FUSED_NAMES = ("qkv_proj", "query_key_value", "Wqkv")
+
+
+def _fused_lin(attn: Any) -> Any:
+    return next((lin for lin in (_lin(attn, n) for n in FUSED_NAMES) if lin is not None), None)
+
+
 def fused(attn: Any, H: int, Hk: int, d: int, r: int) -> dict | None:
-    lin = _lin(attn, "qkv_proj")
+    lin = _fused_lin(attn)
     if lin is None or lin.out_features != H * d + Hk * d + Hk * r:
         return None
     a, b = H * d, H * d + Hk * d
@@ -76,6 +87,39 @@ def per_head(attn: Any, H: int, Hk: int, d: int, r: int) -> dict | None:
     base = torch.arange(H)[:, None] * 3 * d + torch.arange(d)[None]  # (H, d) rows of q_h
     return {"q": _wb(lin, idx=base.reshape(-1)), "k": _wb(lin, idx=(base + d).reshape(-1)),
             "v": _wb(lin, idx=(base + 2 * d).reshape(-1))}
+
+
+def grouped(attn: Any, H: int, Hk: int, d: int, r: int) -> dict | None:
+    """One fused map whose rows are, KV group by KV group, ``[q heads of the group; k_g; v_g]``
+    (Falcon's new decoder architecture: ``view(..., H_kv, H/H_kv + 2, d)``)."""
+    import torch
+
+    lin = _fused_lin(attn)
+    if lin is None or r != d or H % Hk or lin.out_features != (H + 2 * Hk) * d:
+        return None
+    G = H // Hk
+    base = torch.arange(Hk)[:, None] * (G + 2) * d  # (Hk, 1): each group's first row
+    q = (base[:, None] + torch.arange(G)[None, :, None] * d
+         + torch.arange(d)[None, None]).reshape(-1)  # group g's heads, head by head
+    k = (base + G * d + torch.arange(d)[None]).reshape(-1)
+    v = (base + (G + 1) * d + torch.arange(d)[None]).reshape(-1)
+    return {"q": _wb(lin, idx=q), "k": _wb(lin, idx=k), "v": _wb(lin, idx=v)}
+
+
+def model_parallel(attn: Any, H: int, Hk: int, d: int, r: int) -> dict | None:
+    """CodeGen's ``qkv_proj`` split for ``mp_num`` model-parallel shards: rows, shard by shard,
+    ``[q part; v part; k part]`` (each ``H d / mp_num`` rows; note v before k), the shards' q
+    parts concatenated giving the heads in order."""
+    import torch
+
+    lin, mp = _lin(attn, "qkv_proj"), getattr(attn, "mp_num", None)
+    if lin is None or not isinstance(mp, int) or mp < 1 or H != Hk or r != d or \
+            lin.out_features != 3 * H * d or (H * d) % mp:
+        return None
+    loc = H * d // mp
+    base = torch.arange(mp)[:, None] * 3 * loc + torch.arange(loc)[None]  # (mp, loc)
+    return {"q": _wb(lin, idx=base.reshape(-1)), "v": _wb(lin, idx=(base + loc).reshape(-1)),
+            "k": _wb(lin, idx=(base + 2 * loc).reshape(-1))}
 
 
 def project(part: tuple, x: Any, heads: int) -> tuple[Any, Any]:
@@ -95,7 +139,8 @@ def project(part: tuple, x: Any, heads: int) -> tuple[Any, Any]:
 
 
 LAYOUTS: dict[str, Callable[..., dict | None]] = {
-    "separate": separate, "fused": fused, "per_head": per_head, "gated": gated}
+    "separate": separate, "fused": fused, "per_head": per_head, "gated": gated,
+    "grouped": grouped, "model_parallel": model_parallel}
 
 
 def candidates(attn: Any, H: int, Hk: int, d: int, r: int) -> dict[str, dict]:
