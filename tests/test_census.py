@@ -15,6 +15,7 @@ output before a norm, the tables' order, a hybrid's softmax layers) fails the ru
 from __future__ import annotations
 
 import sys
+from dataclasses import replace
 
 import pytest
 import torch
@@ -35,20 +36,20 @@ DEFAULT = set(TYPES[::3])  # the representative third of the default run
 # weightless norms, Llama 4's complex tables.
 PASSING = {
     "afmoe", "apertus", "apertus1p5_text", "arcee", "aria_text", "axk1", "bailing_hybrid",
-    "bamba", "bitnet", "codegen", "cohere", "cohere2", "cohere2_moe", "cwm", "deepseek_v2",
-    "deepseek_v3", "deepseek_v32", "dots1", "emu3", "ergo", "ernie4_5", "ernie4_5_moe",
-    "exaone", "exaone4", "exaone_moe", "falcon", "falcon_h1", "flex_olmo", "flint", "gemma",
-    "gemma2", "gemma3_text", "glm", "glm4", "glm4_moe", "glm4_moe_lite", "glm_moe_dsa",
-    "gpt_neox", "gpt_oss", "gptj", "granite", "granitemoe", "granitemoehybrid",
-    "granitemoeshared", "helium", "hy_v3", "hy_v4", "hyperclovax", "internlm3", "iquestcoder",
-    "jais2", "kolibri1", "laguna", "lara_mini", "lfm2", "lfm2_moe", "lfm3", "llama",
-    "llama4_text", "mellum", "mimo_v2_flash", "minicpm3", "minimax", "minimax_m2",
-    "minimax_m3_vl_text", "ministral", "ministral3", "mistral", "mixtral", "mllama",
-    "modernbert-decoder", "nanochat", "nemotron", "olmo", "olmo2", "olmo3", "olmo_hybrid",
-    "olmoe", "param2moe", "phi", "phi3", "phimoe", "qwen2", "qwen2_moe", "qwen3",
-    "qwen3_5_moe_text", "qwen3_5_text", "qwen3_moe", "qwen3_next", "sarvam_mla", "sarvam_moe",
-    "seed_oss", "smollm3", "solar_open", "stablelm", "starcoder2", "vaultgemma", "youtu",
-    "zamba2",
+    "bamba", "bitnet", "codegen", "cohere", "cohere2", "cohere2_moe", "cwm", "dbrx",
+    "deepseek_v2", "deepseek_v3", "deepseek_v32", "dots1", "emu3", "ergo", "ernie4_5",
+    "ernie4_5_moe", "exaone", "exaone4", "exaone_moe", "falcon", "falcon_h1", "flex_olmo",
+    "flint", "gemma", "gemma2", "gemma3_text", "glm", "glm4", "glm4_moe", "glm4_moe_lite",
+    "glm_moe_dsa", "gpt_neox", "gpt_oss", "gptj", "granite", "granitemoe", "granitemoehybrid",
+    "granitemoeshared", "helium", "hunyuan_v1_dense", "hunyuan_v1_moe", "hy_v3", "hy_v4",
+    "hyperclovax", "internlm3", "iquestcoder", "jais2", "kolibri1", "laguna", "lara_mini",
+    "lfm2", "lfm2_moe", "lfm3", "llama", "llama4_text", "mellum", "mimo_v2_flash", "minicpm3",
+    "minimax", "minimax_m2", "minimax_m3_vl_text", "ministral", "ministral3", "mistral",
+    "mixtral", "mllama", "modernbert-decoder", "nanochat", "nemotron", "olmo", "olmo2",
+    "olmo3", "olmo_hybrid", "olmoe", "param2moe", "phi", "phi3", "phimoe", "qwen2",
+    "qwen2_moe", "qwen3", "qwen3_5_moe_text", "qwen3_5_text", "qwen3_moe", "qwen3_next",
+    "sarvam_mla", "sarvam_moe", "seed_oss", "smollm3", "solar_open", "stablelm", "starcoder2",
+    "vaultgemma", "youtu", "zamba2",
 }
 
 
@@ -95,7 +96,7 @@ def test_the_census_lists_every_causal_lm_type_once():
 
     assert TYPES == sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
     assert PASSING <= set(TYPES)
-    assert len(PASSING) >= 95
+    assert len(PASSING) >= 100
     # a multimodal type is its text model; one the mapping lists itself is counted there
     ent = census.entry("gemma3")
     assert (ent.text_type, ent.duplicate_of) == ("gemma3_text", "gemma3_text")
@@ -214,7 +215,7 @@ _LATENT_PARTS = models.conventions._latent_parts
 @pytest.mark.parametrize("name, what", [
     ("qwen3_next", "gate"), ("nanochat", "sign"), ("bitnet", "output"), ("gpt_neox", "pairs"),
     ("gptj", "order"), ("deepseek_v3", "latent_order"), ("deepseek_v2", "latent_split"),
-    ("gpt_oss", "sink")])
+    ("gpt_oss", "sink"), ("hunyuan_v1_dense", "norm_order")])
 def test_a_wrong_reading_of_each_new_convention_fails_the_run(name, what, tmp_path,
                                                               monkeypatch):
     conv = models.conventions
@@ -226,6 +227,14 @@ def test_a_wrong_reading_of_each_new_convention_fails_the_run(name, what, tmp_pa
         monkeypatch.setattr(conv, "_output_path", lambda r, who, L: (True, ""))
     elif what == "pairs":  # the rotation's direction flipped after the reading
         monkeypatch.setattr(conv, "_perm", _swapped_pairs)
+    elif what == "norm_order":  # Hunyuan's QK-norm (after RoPE) described as before it
+        real_head = models.layer_head
+
+        def norm_before(*a, **k):
+            spec, w = real_head(*a, **k)
+            return replace(spec, norm_after_rope=False), w
+
+        monkeypatch.setattr(models, "layer_head", norm_before)
     elif what == "sink":  # the sink logits read one unit off (a wrong sink logit)
         real_sinks = conv._sinks
         monkeypatch.setattr(conv, "_sinks", lambda attn, c: None if real_sinks(attn, c) is None
@@ -269,3 +278,21 @@ def test_a_hybrids_other_layers_are_listed_and_refused_by_name(name, tmp_path):
                          dict(info.others)) == list(info.softmax_layers)
     with pytest.raises(ProtocolError, match=f"layer {L} is not softmax attention"):
         parse_indices(str(L), info.n_layers, "layer", info.softmax_layers, dict(info.others))
+
+
+def test_a_clipped_projection_is_read_and_needed(tmp_path, monkeypatch):
+    """DBRX's clip_qkv (active in the zoo's model: projections of RMS ~1.7 clipped at 2) is read
+    from the module and carried by the head description (``HeadSpec.clip``); without it the
+    reading refuses the layer, and a description without it misses the model."""
+    from ropestep import archzoo
+
+    model = archzoo.build("dbrx")
+    info = models.describe_model(model)
+    assert {c.clip for c in info.conventions()} == {2.0}
+    spec, _ = models.layer_head(model, 0, 8)
+    assert spec.clip == 2.0 and not spec.affine
+    d = archzoo.save("dbrx", tmp_path / "dbrx")
+    monkeypatch.setattr(models.conventions, "_clip", lambda attn: None)
+    rc = cli.main(["atlas", "--model", str(d), "--contexts", "1", "--len", "40", "--layers", "all",
+                   "--no-figures", "--quiet", "--out", str(tmp_path / "a")])
+    assert rc == 2  # the module's own projections are not reproduced without the clip

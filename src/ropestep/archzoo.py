@@ -255,6 +255,15 @@ ARCHITECTURES.update({
 })
 
 ARCHITECTURES.update({
+    "dbrx": _arch(
+        "dbrx", "one fused Wqkv with DBRX's clip_qkv at 2 (active: projections of RMS ~1.7 "
+        "clipped to [-2, 2], so the score is not affine in u), GQA 2:1, MoE",
+        base={k: v for k, v in _MHA.items() if k not in (
+            "hidden_size", "num_attention_heads", "num_hidden_layers", "intermediate_size",
+            "max_position_embeddings")},
+        d_model=HIDDEN, n_heads=HEADS, n_layers=2, max_seq_len=1024,
+        attn_config={"rope_theta": 10_000.0, "kv_n_heads": KV_HEADS, "clip_qkv": 2.0},
+        ffn_config={"ffn_hidden_size": 256, "moe_num_experts": 4, "moe_top_k": 2}),
     "persimmon": _arch(
         "persimmon", "per-head LayerNorm QK-norm with a bias (qk_layernorm: mean removed, not "
         "an RMS norm), fused per-head query_key_value, partial rotary 0.5: refused (the "

@@ -119,7 +119,7 @@ def evaluate_layer(spec: HeadSpec, weights: HeadWeights, x: torch.Tensor, positi
     qk_max = qn * kn
     # input-space metric A_h = W^_q^T W^_q scale^2 (L_i^T L_i = R_i A_h R_i^T), its square root;
     # a head whose score is not affine in u (QK-norm) has no input-space step: query space only
-    Ah = q_unrot = None
+    Ah = q_unrot = post_gain = None
     if spec.affine:
         A = L64.lwt @ L64.lw  # (H, d, d)
         ev, U = torch.linalg.eigh(A)
@@ -130,7 +130,11 @@ def evaluate_layer(spec: HeadSpec, weights: HeadWeights, x: torch.Tensor, positi
         ident = RoPESpec(base=spec.rope.base, layout=spec.rope.layout,
                          cos=torch.ones(P, spec.head_dim // 2, dtype=torch.float64),
                          sin=torch.zeros(P, spec.head_dim // 2, dtype=torch.float64))
-        q_unrot = scale.project_layer(replace(spec, rope=ident), weights, x, positions,
+        w_unrot = weights
+        if spec.norm_after_rope:  # the gain acts after the rotation: rotate g-less, then gain
+            w_unrot = replace(weights, q_norm=torch.ones(spec.head_dim, dtype=torch.float64))
+            post_gain = torch.as_tensor(weights.q_norm).to(L64.q.device, torch.float64)
+        q_unrot = scale.project_layer(replace(spec, rope=ident), w_unrot, x, positions,
                                       dtype=torch.float64, device=device).q
     anchors = torch.arange(0, N, anchor_every, device=dev)
     na = int(anchors.numel())
@@ -162,7 +166,7 @@ def evaluate_layer(spec: HeadSpec, weights: HeadWeights, x: torch.Tensor, positi
         for ch in scale.stream(spec, weights, x, positions, gauge="original", layer=L64,
                                max_bytes=max_bytes, outputs=("s", "c", "kappa")):
             _pass_original(ch, L64, arr, nat, vscale, sc, Ah, q_unrot, anchors, anchor_every,
-                           T_a, mu_a, y_a, p_a, u_all, lay, work, b_a)
+                           T_a, mu_a, y_a, p_a, u_all, lay, work, b_a, post_gain)
             hs = ch.heads
             arr["native_orig_bound"][hs[0]:hs[-1] + 1, ch.queries] = bound(
                 hs, ch.queries, ch.extra["kappa"], torch.float64)
@@ -219,7 +223,8 @@ class _Work:
 
 
 def _pass_original(ch, L64, arr, nat, vscale, sc, Ah, q_unrot, anchors, anchor_every, T_a, mu_a,
-                   y_a, p_a, u_all, lay, work: _Work, b_a: torch.Tensor) -> None:
+                   y_a, p_a, u_all, lay, work: _Work, b_a: torch.Tensor,
+                   post_gain: torch.Tensor | None = None) -> None:
     """Reduce one float64 original-gauge chunk into the per-query arrays (see evaluate_layer)."""
     hs, qi = ch.heads, ch.queries
     h0, h1 = hs[0], hs[-1] + 1
@@ -313,6 +318,8 @@ def _pass_original(ch, L64, arr, nat, vscale, sc, Ah, q_unrot, anchors, anchor_e
     ca = L64.cos[:, apos] if L64.cos.shape[0] == 1 else L64.cos[hs][:, apos]
     sa = L64.sin[:, apos] if L64.sin.shape[0] == 1 else L64.sin[hs][:, apos]
     q_at_a = apply_rope(uq, ca, sa, lay)  # u_i^T L_a (query space: R(p_a) q_i)
+    if post_gain is not None:  # a norm after the rotation (Hunyuan): g R(p_a) q^_i
+        q_at_a = q_at_a * post_gain
     ya, pa = y_a[h0:h1, aidx], p_a[h0:h1, aidx, :n]
     # mu_a + u_i^T L_a T_a, one product per anchor of the chunk (T_a is not gathered per query)
     y_fr = torch.empty_like(ya)

@@ -79,6 +79,10 @@ OVERRIDES: dict[str, tuple[dict, str]] = {
              "short convolutions: layer 0 is one"),
     "lfm2_moe": ({"layer_types": ["conv", "full_attention"]},
                  "the default leaves layer_types None, which the model indexes per layer"),
+    "dbrx": ({"attn_config": {"rope_theta": 10_000.0, "kv_n_heads": archzoo.KV_HEADS,
+                              "clip_qkv": 8.0}},
+             "the default attn_config names no rope_theta, which the model reads (transformers' "
+             "default does not build): base 1e4 given, and DBRX's clip_qkv at 8"),
     "dots3_note_text": ({"num_key_value_heads": archzoo.HEADS},
                         "its validator requires one KV head per query head"),
 }

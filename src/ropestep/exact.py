@@ -333,6 +333,12 @@ def _build(spec: HeadSpec, weights: HeadWeights, x_q: Any, pos_q: Any, x_kv: Any
         if extra is not None and extra.ndim == 2:
             extra = np.stack([extra] * H)
 
+        def clip(vec):  # DBRX's clip_qkv: every projected entry into [-c, c]
+            if spec.clip is None:
+                return vec
+            c_ = mp.mpf(spec.clip)
+            return [max(-c_, min(c_, x)) for x in vec]
+
         def rot(p, h):  # R(p) per pair (pair_rotation): O(d), not a dense d x d matrix
             if tab:
                 return pair_rotation(p, bases[h], d, spec.rope.layout, cos_t[p], sin_t[p])
@@ -394,19 +400,25 @@ def _build(spec: HeadSpec, weights: HeadWeights, x_q: Any, pos_q: Any, x_kv: Any
                 if latent:
                     kraw = lat["k"][j]
                 else:
-                    kraw = [_dot_(Uk[j], Wk[:, g, c]) for c in range(d)]
-                kvec = normed(kraw, kn[g] if all_scope else kn,
-                              inv_k[j] if all_scope else None)
+                    kraw = clip([_dot_(Uk[j], Wk[:, g, c]) for c in range(d)])
                 Rk.setdefault(pk[j], rot(int(pk[j]), h))
-                k_all[h, j] = rotate(Rk[pk[j]], kvec)  # column form: k~^T = R(p) k^T
+                if spec.norm_after_rope:  # the norm acts on the rotated key (Hunyuan)
+                    k_all[h, j] = normed(rotate(Rk[pk[j]], kraw), kn)
+                else:
+                    kvec = normed(kraw, kn[g] if all_scope else kn,
+                                  inv_k[j] if all_scope else None)
+                    k_all[h, j] = rotate(Rk[pk[j]], kvec)  # column form: k~^T = R(p) k^T
                 v_all[h, j] = (lat["v"](h, j) if latent else
-                               [_dot_(Uk[j], Wv[:, g, c]) for c in range(r)])
+                               clip([_dot_(Uk[j], Wv[:, g, c]) for c in range(r)]))
             for i in range(Q):
                 Rq = rot(int(pq[i]), h)
                 qin = lat["zq"][i] if latent else U[i]  # [z_i; 1] (latent) or u_i
-                qraw = [_dot_(qin, Wq[:, h, c]) for c in range(d)]
-                qt = rotate(Rq, normed(qraw, qn[h] if all_scope else qn,
-                                       inv_q[i] if all_scope else None))
+                qraw = clip([_dot_(qin, Wq[:, h, c]) for c in range(d)])
+                if spec.norm_after_rope:
+                    qt = normed(rotate(Rq, qraw), qn)
+                else:
+                    qt = rotate(Rq, normed(qraw, qn[h] if all_scope else qn,
+                                           inv_q[i] if all_scope else None))
                 q_all[h, i] = [qt[c] * sc for c in range(d)]
                 if affine:
                     # L_i = W^_q,h R(p_i)^T * scale   ((m+1) x d): row a is (R W^_a^T)^T

@@ -35,7 +35,7 @@ import torch
 
 from .kernel import (FLOAT_DTYPES, LOW_PRECISION, augment, augmented_weight, compute_dtype,  # noqa: F401
                      exp_dd, ftensor, gauge_chunk, latent_qkv, LATENT_FIELDS, phi1, rms_norm,
-                     scaled_phi1, transform, transform_dd, uniform_mean, unit_rows, with_sink)
+                     scaled_phi1, transform, transform_dd, uniform_mean, unit_rows, with_sink, clipped)
 from .rope import (apply_rope, rope_cos_sin, rope_derivative, rope_finite_difference,  # noqa: F401
                    rope_frequencies, rope_generator, rope_phi1, rope_rotation)
 from .spec import HeadSpec, HeadWeights, check_inputs, resolve_mask, _positions
@@ -99,10 +99,11 @@ def project(spec: HeadSpec, weights: HeadWeights, x_q: Any, pos_q: Any, x_kv: An
     else:
         wk = augmented_weight(cast(weights.w_k), cast(weights.b_k))
         wv = augmented_weight(cast(weights.w_v), cast(weights.b_v))
-        q = torch.einsum("qm,mhd->hqd", u_q, wq)
-        k = torch.einsum("nm,mhd->hnd", u_k, wk)
-        v = torch.einsum("nm,mhd->hnd", u_k, wv)
-    if spec.family == "qknorm":
+        q = clipped(torch.einsum("qm,mhd->hqd", u_q, wq), spec.clip)
+        k = clipped(torch.einsum("nm,mhd->hnd", u_k, wk), spec.clip)
+        v = clipped(torch.einsum("nm,mhd->hnd", u_k, wv), spec.clip)
+    after = spec.norm_after_rope  # the norms act on the rotated vectors (Hunyuan)
+    if spec.family == "qknorm" and not after:
         q = rms_norm(q, cast(weights.q_norm), spec.norm_eps, spec.norm_scope)
         k = rms_norm(k, cast(weights.k_norm), spec.norm_eps, spec.norm_scope)
     elif spec.family == "cosine":
@@ -115,6 +116,9 @@ def project(spec: HeadSpec, weights: HeadWeights, x_q: Any, pos_q: Any, x_kv: An
     cos_k, sin_k = rope_cos_sin(spec, pk, cd, q.device)
     q = apply_rope(q, cos_q, sin_q, spec.rope.layout)
     k = apply_rope(k, cos_k, sin_k, spec.rope.layout)
+    if after:
+        q = rms_norm(q, cast(weights.q_norm), spec.norm_eps)
+        k = rms_norm(k, cast(weights.k_norm), spec.norm_eps)
     scale = torch.tensor([spec.score_scale(h) for h in range(spec.n_heads)], dtype=cd,
                          device=q.device)
     q = q * scale[:, None, None]

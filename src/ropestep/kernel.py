@@ -207,6 +207,11 @@ LATENT_FIELDS = ("w_q", "b_q", "w_kr", "b_kr", "w_kc", "b_kc", "kv_norm", "w_uv"
                  "b_qa", "qa_norm")
 
 
+def clipped(x: torch.Tensor, clip: float | None) -> torch.Tensor:
+    """A projection clipped to ``[-clip, clip]`` (DBRX's ``clip_qkv``), or as it is."""
+    return x if clip is None else x.clamp(-clip, clip)
+
+
 def unit_rows(x: torch.Tensor, name: str) -> torch.Tensor:
     """``x / ||x||`` over the last dim (cosine family); a zero row is an input error."""
     n = torch.linalg.vector_norm(x, dim=-1, keepdim=True)

@@ -656,6 +656,11 @@ def real_checks(model: Any, spec, weights, cap: ContextCapture, layer: int, cont
             {"rank": not_affine_reason(spec), "no_global_readout": not_affine_reason(spec)})
     if spec.family == "latent":
         return out
+    if spec.norm_after_rope:  # the derivative formulas assume the rotation acts last
+        out["position_derivative"] = out["position_shift"] = None
+        out.setdefault("not_defined", {}).update(
+            {k: NOT_ROTATION_LAST for k in ("position_derivative", "position_shift")})
+        return out
     qs = sorted(int(i) for i in rng.choice(np.arange(1, N), size=min(POSITIONAL_QUERIES, N - 1),
                                            replace=False))
     out["position_derivative"] = rc.position_derivative(model, layer, xp, pos_kv, qs, head=head)
@@ -771,6 +776,13 @@ NOT_LAYOUT_LATENT = (
     "standard projection layout, which a latent layer does not have; its queries, keys and "
     "values are checked against the latent maps on every load (models.conventions, "
     "docs/math.md section 14), and every head's output against the model's by the rows above")
+
+
+# why the positional checks are not defined where a per-dim norm acts after the rotation
+NOT_ROTATION_LAST = (
+    "QK-norm after RoPE with a per-dim gain (Hunyuan): the rotated query and key pass the norm, "
+    "so d q~/dp is not A q~ and the positional checks' formulas (docs/math.md section 5, the "
+    "rotation acting last) do not apply; the identity, frozen reuse and the step are measured")
 
 
 def not_affine_reason(spec: Any) -> str:

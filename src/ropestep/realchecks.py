@@ -415,6 +415,15 @@ def conventions(model: Any, layer: int, x: Any, positions: Any, *,
         summed over the model's rotation pair, (nh, n, d) in ropestep's head-dim order."""
         z, A = models.layouts.project(part, x64, nh)
         g, eps = norms[name]
+        if conv.norm_after_rope:  # the norm acts on the rotated vector (Hunyuan): the rotated
+            # projection's terms, summed over the pair, carried through the norm of R z
+            cs_, sn_ = models.attention.per_pair_tables(model, conv, pos)
+            zr = models.attention.rotate_as_model(z.transpose(0, 1), cs_.to("cpu", F64),
+                                                  sn_.to("cpu", F64), conv).transpose(0, 1)
+            Ar = models.attention.pair_sum(A, conv) * max(a, 1.0)
+            both = (_normalised_abs(mdt, zr, Ar, kterms, g, eps, "head", 3)
+                    + _normalised_abs(F64, zr, Ar, kterms, g, eps, "head", 5))
+            return both[..., perm].transpose(0, 1)
         both = (_normalised_abs(mdt, z, A, kterms, g, eps, norms["scope"], 3)
                 + _normalised_abs(F64, z, A, kterms, g, eps, norms["scope"], 5))
         return (models.attention.pair_sum(both, conv)[..., perm] * max(a, 1.0)).transpose(0, 1)
@@ -441,23 +450,32 @@ def conventions(model: Any, layer: int, x: Any, positions: Any, *,
     def bias(b: Any, nh: int, dim: int) -> torch.Tensor:
         return torch.zeros(nh, dim, dtype=F64) if b is None else torch.as_tensor(b).to("cpu", F64)
 
-    q0 = torch.einsum("nm,mhd->hnd", x64, wq) + bias(weights.b_q, H, d)[:, None]
-    k0 = torch.einsum("nm,mhd->hnd", x64, wk) + bias(weights.b_k, Hk, d)[:, None]
-    v0 = torch.einsum("nm,mhd->hnd", x64, wv) + bias(weights.b_v, Hk, r)[:, None]
-    if spec.family == "qknorm":  # the description's norms, before RoPE (ropestep.kernel's)
+    q0 = kernel.clipped(torch.einsum("nm,mhd->hnd", x64, wq) + bias(weights.b_q, H, d)[:, None],
+                        spec.clip)
+    k0 = kernel.clipped(torch.einsum("nm,mhd->hnd", x64, wk) + bias(weights.b_k, Hk, d)[:, None],
+                        spec.clip)
+    v0 = kernel.clipped(torch.einsum("nm,mhd->hnd", x64, wv) + bias(weights.b_v, Hk, r)[:, None],
+                        spec.clip)
+    after = spec.norm_after_rope  # the description's norms act on the rotated vectors
+    if spec.family == "qknorm" and not after:  # the description's norms, before RoPE
         q0 = kernel.rms_norm(q0, torch.as_tensor(weights.q_norm).to("cpu", F64), spec.norm_eps,
                              spec.norm_scope)
         k0 = kernel.rms_norm(k0, torch.as_tensor(weights.k_norm).to("cpu", F64), spec.norm_eps,
                              spec.norm_scope)
     cs, sn = rope.rope_cos_sin(spec, pos, F64)  # (H or 1, n, d/2)
-    qs = rope.apply_rope(q0, cs, sn, spec.rope.layout) * a
+
+    def post(z: torch.Tensor, w: Any) -> torch.Tensor:  # norm after the rotation (Hunyuan)
+        return kernel.rms_norm(z, torch.as_tensor(w).to("cpu", F64), spec.norm_eps) * a if \
+            after else z * a
+
+    qs = post(rope.apply_rope(q0, cs, sn, spec.rope.layout), weights.q_norm)
     kv_map = [spec.kv_head(h) for h in range(H)]
     for h, g in enumerate(kv_map):
         if not 0 <= g < Hk:
             raise ValueError(f"spec.kv_head({h}) = {g} is not a KV head (0..{Hk - 1})")
     hb = [min(h, cs.shape[0] - 1) for h in range(H)]  # the table row of head h's base
-    ks = torch.stack([rope.apply_rope(k0[g], cs[hb[h]], sn[hb[h]], spec.rope.layout) * a
-                      for h, g in enumerate(kv_map)])
+    ks = torch.stack([post(rope.apply_rope(k0[g], cs[hb[h]], sn[hb[h]], spec.rope.layout),
+                           weights.k_norm) for h, g in enumerate(kv_map)])
     vs = torch.stack([v0[g] for g in kv_map])
 
     # -- ropestep side, route "fast.project" --
@@ -611,7 +629,8 @@ def _one_head(spec: HeadSpec, weights: HeadWeights, h: int) -> tuple[HeadSpec, H
     s1 = HeadSpec(n_heads=1, n_kv_heads=1, head_dim=spec.head_dim, v_dim=spec.v_dim, rope=rs,
                   family=spec.family, scale=spec.score_scale(h), softcap=spec.softcap,
                   alibi_slopes=None if spec.alibi_slopes is None else (spec.alibi_slopes[h],),
-                  norm_eps=spec.norm_eps, latent=spec.latent)
+                  norm_eps=spec.norm_eps, latent=spec.latent, clip=spec.clip,
+                  sinks=None if spec.sinks is None else (spec.sinks[h],))
 
     def sl(a: Any, i: int, axis: int) -> Any:
         if a is None:
@@ -1089,7 +1108,9 @@ class _Attention64:
 
         def proj(part: tuple, nh: int, norm: str | None = None) -> torch.Tensor:  # (nh, n, d)
             z = models.layouts.project(part, x, nh)[0]  # (n, nh, d), float64
-            if norm is not None and self.norms is not None:
+            if conv.clip is not None:  # the module's clip_qkv (DBRX), as its forward
+                z = z.clamp(-conv.clip, conv.clip)
+            if norm is not None and self.norms is not None and not conv.norm_after_rope:
                 z = _apply_model_norm(z, *self.norms[norm], self.norms["scope"])
             return z.transpose(0, 1)
 
@@ -1113,6 +1134,9 @@ class _Attention64:
         with torch.no_grad():
             rot = models.attention.rotate_as_model
             q, k = rot(self.q, cos, sin, self.conv), rot(self.k, cos, sin, self.conv)
+            if self.conv.norm_after_rope and self.norms is not None:  # Hunyuan: then the norm
+                q = _apply_model_norm(q.transpose(0, 1), *self.norms["q"], "head").transpose(0, 1)
+                k = _apply_model_norm(k.transpose(0, 1), *self.norms["k"], "head").transpose(0, 1)
             k = k.repeat_interleave(self.group, 0)
             out = []
             W = self.conv.window

@@ -56,8 +56,8 @@ import torch
 from . import lowrank
 from .direct import direct_query  # noqa: F401  (the paper-form reference beside this path)
 from .kernel import (FLOAT_DTYPES, LATENT_FIELDS, PBlocks, augmented_weight,  # noqa: F401
-                     compute_dtype, gauge_chunk, latent_qkv, rms_norm, softmax, uniform_mean,
-                     unit_rows)
+                     clipped, compute_dtype, gauge_chunk, latent_qkv, rms_norm, softmax,
+                     uniform_mean, unit_rows)
 from .rope import apply_rope, rope_cos_sin
 from .spec import HeadSpec, HeadWeights, _positions
 
@@ -180,10 +180,11 @@ def project_layer(spec: HeadSpec, weights: HeadWeights, x: Any, positions: Any =
         q, k, v = latent_qkv(xc, {f: cast(getattr(weights, f)) for f in LATENT_FIELDS}, H,
                              spec.latent.kv_eps, spec.latent.q_eps)
     else:
-        q = proj(weights.w_q, weights.b_q, H, d)
-        k = proj(weights.w_k, weights.b_k, Hk, d)
-        v = proj(weights.w_v, weights.b_v, Hk, r)
-    if spec.family == "qknorm":
+        q = clipped(proj(weights.w_q, weights.b_q, H, d), spec.clip)
+        k = clipped(proj(weights.w_k, weights.b_k, Hk, d), spec.clip)
+        v = clipped(proj(weights.w_v, weights.b_v, Hk, r), spec.clip)
+    after = spec.norm_after_rope  # the norms act on the rotated vectors (Hunyuan)
+    if spec.family == "qknorm" and not after:
         q = rms_norm(q, cast(weights.q_norm), spec.norm_eps, spec.norm_scope)
         k = rms_norm(k, cast(weights.k_norm), spec.norm_eps, spec.norm_scope)
     elif spec.family == "cosine":
@@ -199,6 +200,9 @@ def project_layer(spec: HeadSpec, weights: HeadWeights, x: Any, positions: Any =
         k = apply_rope(k[torch.arange(H) // spec.group], cos, sin, spec.rope.layout)
         groups = [[h] for h in range(H)]
         kv_of = [h // spec.group for h in range(H)]
+    if after:
+        q = rms_norm(q, cast(weights.q_norm), spec.norm_eps)
+        k = rms_norm(k, cast(weights.k_norm), spec.norm_eps)
     scale = torch.tensor([spec.score_scale(h) for h in range(H)], dtype=cd, device=xc.device)
     q = q * scale[:, None, None]
     lw = lwt = None

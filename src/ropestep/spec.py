@@ -125,6 +125,12 @@ class HeadSpec:
     # a virtual key with score sigma_h (independent of the query: an additive bias) and value 0
     # (docs/math.md section 13); never soft-capped
     sinks: tuple[float, ...] | None = None
+    # projections clipped to [-clip, clip] before any norm or rotation (DBRX's clip_qkv): the
+    # score is then not affine in u, and the identity is measured in query space
+    clip: float | None = None
+    # "qknorm": the per-head norms act after the rotation (Hunyuan: RMSNorm of R(p) q with a
+    # per-dim gain, which does not commute with the rotation), not before it (Qwen3)
+    norm_after_rope: bool = False
 
     def __post_init__(self) -> None:
         validate_spec(self)
@@ -159,6 +165,8 @@ class HeadSpec:
         """True when the score is affine in the augmented input u (so Delta M_i exists): a
         plain dot product of projections, or latent attention whose query is a plain projection
         (the keys' norm does not matter: they are fixed features of the query's step)."""
+        if self.clip is not None:  # a clipped projection is not affine in u
+            return False
         return self.family == "dot" or (self.family == "latent" and self.latent is not None
                                         and self.latent.q_rank is None)
 
@@ -201,6 +209,13 @@ def validate_spec(spec: HeadSpec) -> None:
                 f"got cos {c.shape} and sin {s.shape}")
         if not (np.isfinite(c).all() and np.isfinite(s).all()):
             raise ValueError("RoPE tables contain NaN or inf")
+    if spec.norm_after_rope and not (spec.family == "qknorm" and spec.norm_scope == "head"):
+        raise ValueError("norm_after_rope: per-head QK-norm (family 'qknorm', scope 'head') only")
+    if spec.clip is not None:
+        if not (math.isfinite(spec.clip) and spec.clip > 0):
+            raise ValueError(f"clip must be finite and > 0, got {spec.clip}")
+        if spec.family == "latent":
+            raise ValueError("clip: a latent head's projections are not clipped (not modelled)")
     if spec.sinks is not None:
         if len(spec.sinks) != spec.n_heads or not all(math.isfinite(float(x))
                                                       for x in spec.sinks):

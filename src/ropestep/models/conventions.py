@@ -96,6 +96,8 @@ class LayerConventions:
     latent: tuple = ()
     sink_param: str = ""  # the attention module's parameter its eager call is handed as sinks
     value_scale: float = 1.0  # a constant the module multiplies its values by (MiMo-V2's v_scale)
+    clip: float | None = None  # projections clipped to [-clip, clip] (DBRX's clip_qkv)
+    norm_after_rope: bool = False  # QK-norm acting on the rotated vectors (Hunyuan)
 
     @property
     def score_scale(self) -> float:
@@ -107,7 +109,8 @@ class LayerConventions:
             "layer", "attention", "layout", "output", "rotary", "rotary_dim", "pairing", "tables",
             "amplitude", "scaling", "softcap", "window", "qk_norm", "norm_scope", "norm_eps",
             "qkv_bias",
-            "o_bias", "sinks", "output_direct", "sign", "order")}
+            "o_bias", "sinks", "output_direct", "sign", "order", "value_scale", "clip",
+            "norm_after_rope")}
         d["score_scale"] = self.score_scale
         return d
 
@@ -561,13 +564,17 @@ def _read_layer(model: Any, info: ModelInfo, L: int, r: AttentionRecord) -> Laye
     model_v = r.value[0, :, -n:].transpose(0, 1).to("cpu", F64)
     tries: list[str] = []
     chosen = None
+    norm_after = False
     latent = ()
     vscale = _value_scale(attn)
+    clip = _clip(attn)
     if is_latent(attn):  # multi-head latent attention: read in the absorbed form (section 14)
         chosen, latent = _read_latent(attn, x64, model_q, model_k, model_v, forms, cos, sin, a,
                                       mdt, H, d, rv, who, L)
+    orders = (False, True) if gq is not None and scope == "head" else (False,)
     for lname, parts in ({} if latent else layout_candidates(attn, H, Hk, d, rv)).items():
-        for form, pairing, sgn, Rr, ct, st in _rotations(forms, cos, sin):
+        for (form, pairing, sgn, Rr, ct, st), after in (
+                (rot_, o) for o in orders for rot_ in _rotations(forms, cos, sin)):
             ok, worst = True, []
             for nm, heads, dim, ref, g in (("q", H, d, model_q, gq), ("k", Hk, d, model_k, gk),
                                            ("v", Hk, rv, model_v, None)):
@@ -579,8 +586,13 @@ def _read_layer(model: Any, info: ModelInfo, L: int, r: AttentionRecord) -> Laye
                     worst.append(f"{nm} rows {tuple(W.shape)} != {(heads * dim, m)}")
                     break
                 z, A = project_part((W, b), x64, heads)
+                if clip is not None:  # 1-Lipschitz: the bound carries over unchanged
+                    z = z.clamp(-clip, clip)
                 E = tl.rotated_projection_abs(mdt, A, m + 1) + tl.rotated_projection_abs(
                     F64, A, m + 1)
+                if nm != "v" and after:  # the norm acts on the rotated vector (Hunyuan)
+                    z = _rotate(z, ct[:, None], st[:, None], pairing)
+                    E = _partner(E, Rr, pairing) * max(a, 1.0)
                 if g is not None:  # RMS norm (per head, or over every head of a token):
                     # first-order propagation of E
                     red = (-1,) if scope == "head" else (-2, -1)
@@ -590,7 +602,7 @@ def _read_layer(model: Any, info: ModelInfo, L: int, r: AttentionRecord) -> Laye
                     E = g.abs() * (E / rms + zh.abs() * (E.amax(red, keepdim=True) / rms)) \
                         + (math.sqrt(nn_) * tl.HM_LAMBDA + 8) * u * (g.abs() * zh.abs())
                     z = g * zh
-                if nm != "v":
+                if nm != "v" and not after:
                     z = _rotate(z, ct[:, None], st[:, None], pairing)
                     E = _partner(E, Rr, pairing) * max(a, 1.0)
                 err = (z - ref).abs()
@@ -598,9 +610,11 @@ def _read_layer(model: Any, info: ModelInfo, L: int, r: AttentionRecord) -> Laye
                 if not bool((err <= E).all()):
                     ok = False
             how = (pairing + ("" if sgn > 0 else " reversed")) if Rr else "unrotated"
+            how += ", norm after RoPE" if after else ""
             tries.append(f"{lname}/{how}: " + ", ".join(worst))
             if ok:
                 chosen = (lname, pairing, Rr, parts, form, sgn)
+                norm_after = after
                 break
         if chosen:
             break
@@ -688,7 +702,7 @@ def _read_layer(model: Any, info: ModelInfo, L: int, r: AttentionRecord) -> Laye
                   else attn.kv_a_proj_with_mqa.bias is not None),
         o_bias=out_lin.bias is not None, sinks=sinks,
         inv_freq=inv, output_direct=direct, output_between=between, sign=sgn, latent=latent,
-        value_scale=vscale,
+        value_scale=vscale, clip=clip, norm_after_rope=norm_after,
         order="none" if r.cos is None else "complex" if r.complex_tables else order,
         input_dim=m, call_args=tuple(sorted(r.call.items())), sink_param=sink_param)
 
@@ -863,6 +877,15 @@ def _read_latent(attn: Any, x64: torch.Tensor, model_q: torch.Tensor, model_k: t
     raise UnsupportedModelError(
         f"{who}: layer {L}: the latent attention's queries, keys and values recomputed from its "
         f"maps do not reproduce the module's own ({', '.join(worst)})")
+
+
+def _clip(attn: Any) -> float | None:
+    """The bound an attention module clips its projections to (a float ``clip_qkv``: DBRX),
+    or None."""
+    v = getattr(attn, "clip_qkv", None)
+    if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0:
+        return float(v)
+    return None
 
 
 VALUE_SCALE_NAMES = ("v_scale", "value_scale")
@@ -1246,7 +1269,9 @@ def layer_head(model: Any, layer: int, n_positions: int, *, dtype: torch.dtype =
     if conv.rotary_dim == 0 or conv.inv_freq:
         freqs = tuple(conv.inv_freq) + (0.0,) * (d // 2 - len(conv.inv_freq))
     spec = HeadSpec(
-        sinks=_sinks(attn, conv), n_heads=H, n_kv_heads=Hk, head_dim=d, v_dim=None if r == d else r,
+        sinks=_sinks(attn, conv), clip=conv.clip, norm_after_rope=conv.norm_after_rope,
+        n_heads=H, n_kv_heads=Hk, head_dim=d,
+        v_dim=None if r == d else r,
         rope=RoPESpec(base=info.rope_theta if math.isfinite(info.rope_theta) else 10000.0,
                       layout="half" if conv.pairing == "half" else "interleaved",
                       cos=cos.to(dtype), sin=sin.to(dtype), freqs=freqs),
