@@ -222,8 +222,8 @@ def test_capture_mutations_fail_the_native_comparison(case, monkeypatch):
                                    anchor_every=ANCHOR)
     # the bank excluding the query's own key
     monkeypatch.setattr(scale, "causal_chunk_mask",
-                        lambda pos, qi, n, window=None: pos[None, :n] < pos[qi][:, None]
-                        + (qi[:, None] == 0))
+                        lambda pos, qi, n, window=None, chunk=None:
+                        pos[None, :n] < pos[qi][:, None] + (qi[:, None] == 0))
     noself = atlas.evaluate_layer(spec, w, x, torch.arange(N), native, anchor_every=ANCHOR)
     for name, r in (("wrong layer", wrong), ("off by one", shifted), ("no self", noself)):
         print(name, _native_rel(r), "tol", tol)

@@ -215,7 +215,7 @@ _LATENT_PARTS = models.conventions._latent_parts
 @pytest.mark.parametrize("name, what", [
     ("qwen3_next", "gate"), ("nanochat", "sign"), ("bitnet", "output"), ("gpt_neox", "pairs"),
     ("gptj", "order"), ("deepseek_v3", "latent_order"), ("deepseek_v2", "latent_split"),
-    ("gpt_oss", "sink"), ("hunyuan_v1_dense", "norm_order")])
+    ("gpt_oss", "sink"), ("hunyuan_v1_dense", "norm_order"), ("llama4_text", "chunk")])
 def test_a_wrong_reading_of_each_new_convention_fails_the_run(name, what, tmp_path,
                                                               monkeypatch):
     conv = models.conventions
@@ -235,6 +235,14 @@ def test_a_wrong_reading_of_each_new_convention_fails_the_run(name, what, tmp_pa
             return replace(spec, norm_after_rope=False), w
 
         monkeypatch.setattr(models, "layer_head", norm_before)
+    elif what == "chunk":  # Llama 4's chunks read one position too long
+        real_head = models.layer_head
+
+        def longer_chunk(*a, **k):
+            spec, w = real_head(*a, **k)
+            return replace(spec, chunk=spec.chunk and spec.chunk + 1), w
+
+        monkeypatch.setattr(models, "layer_head", longer_chunk)
     elif what == "sink":  # the sink logits read one unit off (a wrong sink logit)
         real_sinks = conv._sinks
         monkeypatch.setattr(conv, "_sinks", lambda attn, c: None if real_sinks(attn, c) is None

@@ -63,7 +63,7 @@ COMMAND_ARGS = {"atlas": ATLAS_ARGS, "validate": VALIDATE_ARGS}
 # LayerConventions fields summarised per architecture (one value, or one per layer where the
 # layers differ), in the order of the report's table
 SUMMARY_FIELDS = ("attention", "layout", "output", "rotary", "rotary_dim", "pairing", "tables",
-                  "amplitude", "scaling", "score_scale", "softcap", "window", "qk_norm",
+                  "amplitude", "scaling", "score_scale", "softcap", "window", "chunk", "qk_norm",
                   "qkv_bias", "o_bias", "sinks")
 
 # atlas: per-head check -> the report field holding its worst measured/bound ratio
@@ -677,7 +677,8 @@ def conventions_text(conv: dict | None) -> str:
         v = s[f]
         return any(x not in (None, False) for x in (v if isinstance(v, list) else [v]))
 
-    for f, label in (("softcap", "softcap"), ("window", "window"), ("qk_norm", "QK-norm"),
+    for f, label in (("softcap", "softcap"), ("window", "window"), ("chunk", "chunk"),
+                     ("qk_norm", "QK-norm"),
                      ("sinks", "sinks"), ("qkv_bias", "qkv bias"), ("o_bias", "o bias")):
         if present(f):
             parts.append(label if s[f] is True else f"{label} {_field(s, f)}")
@@ -813,6 +814,11 @@ def census_lines(result: dict) -> list[str]:
         built = r["causal_class"] + ("" if r["text_type"] == name else
                                       f" (text model `{r['text_type']}`)")
         lines.append(f"| `{name}` | `{_esc(built)}` | {rot} | {out} | {_esc(why)} |")
+    over = [(name, r["override"]) for name, r in result["census"].items() if r.get("override")]
+    if over:
+        lines += ["", "Types built with a configuration entry of their own "
+                  "(`census.OVERRIDES`), and why:", ""]
+        lines += [f"- `{name}`: {_esc(why)}" for name, why in over]
     return lines
 
 

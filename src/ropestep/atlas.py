@@ -231,7 +231,7 @@ def _pass_original(ch, L64, arr, nat, vscale, sc, Ah, q_unrot, anchors, anchor_e
     G_, Qc = len(hs), int(qi.numel())
     s, c = ch.extra["s"], ch.extra["c"]  # (G, Qc, n)
     n = s.shape[-1]
-    mask = scale.causal_chunk_mask(L64.pos, qi, n, L64.spec.window)  # as the chunk was computed
+    mask = scale.causal_chunk_mask(L64.pos, qi, n, L64.spec.window, L64.spec.chunk)  # as the chunk was computed
     y, ro, mu, t = ch.y, ch.readout, ch.mu, ch.t  # (G, Qc, r), (Qc, r), (G, Qc, d, r)
     ref = nat[qi][:, hs].transpose(0, 1)
     arr["id_abs"][h0:h1, qi] = (ro - y).abs().amax(-1)
@@ -798,7 +798,7 @@ def _cost(done: list, specs: dict, parts: list, lp: torch.dtype, device: Any) ->
         for k, v in cost.atlas_flops(N=N, d=spec.head_dim, r=spec.r, m=m, H=spec.n_heads,
                                      H_kv=spec.n_kv_heads, affine=spec.affine,
                                      softcap=spec.softcap is not None,
-                                     window=spec.window).items():
+                                     window=spec.window, chunk=spec.chunk).items():
             flops[k] = flops.get(k, 0.0) + v
     seconds: dict[str, float] = {}
     for p in parts:

@@ -83,6 +83,9 @@ OVERRIDES: dict[str, tuple[dict, str]] = {
                               "clip_qkv": 8.0}},
              "the default attn_config names no rope_theta, which the model reads (transformers' "
              "default does not build): base 1e4 given, and DBRX's clip_qkv at 8"),
+    "llama4_text": ({"attention_chunk_size": 16},
+                    "the default chunk of 8192 positions is longer than any census context: 16 "
+                    "cuts the reading forward and the 40-token runs of its chunked layers"),
     "dots3_note_text": ({"num_key_value_heads": archzoo.HEADS},
                         "its validator requires one KV head per query head"),
 }

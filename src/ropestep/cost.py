@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+from .spec import first_permitted
+
 PHASES = ("project", "float64_original", "lowp_maxkey", "float64_maxkey")
 LANCZOS_STEPS = 8  # fast.LANCZOS_STEPS (tests/test_lambda_max.py checks that they agree)
 ATLAS_LANCZOS_STEPS = 5  # fast.LANCZOS_STEPS_STARTED: the atlas's steps from its start vectors
@@ -38,9 +40,12 @@ def lambda_max_flops(d: int, k: int = LANCZOS_STEPS, started: bool = False) -> f
             + (2 * d if started else 0))
 
 
-def prefix_sums(N: int, window: int | None) -> tuple[int, int]:
+def prefix_sums(N: int, window: int | None, chunk: int | None = None) -> tuple[int, int]:
     """``(sum_i n_i, Q)`` over the ``N`` queries of a causal context, ``n_i = i + 1`` keys (at
-    most ``window`` of them under a sliding window)."""
+    most ``window`` of them under a sliding window; ``i - (i // chunk) chunk + 1`` under chunked
+    attention: :func:`ropestep.spec.first_permitted`)."""
+    if chunk is not None and chunk < N:
+        return sum(i - first_permitted(i, window, chunk) + 1 for i in range(N)), N
     if window is None or window >= N:
         return N * (N + 1) // 2, N
     w = int(window)
@@ -48,7 +53,8 @@ def prefix_sums(N: int, window: int | None) -> tuple[int, int]:
 
 
 def atlas_flops(*, N: int, d: int, r: int, m: int, H: int, H_kv: int, affine: bool = True,
-                softcap: bool = False, window: int | None = None) -> dict[str, float]:
+                softcap: bool = False, window: int | None = None,
+                chunk: int | None = None) -> dict[str, float]:
     """Floating-point operations of each atlas phase on one (context, layer) item of ``N``
     tokens (docs/protocol.md section 11, `cost`).  Per head and query ``i`` with ``n = n_i`` keys:
 
@@ -65,7 +71,7 @@ def atlas_flops(*, N: int, d: int, r: int, m: int, H: int, H_kv: int, affine: bo
       ``2 (m + 1) d + 2 d r``;
     * the projections, once per item: ``2 N (m + 1) (H d + H_kv d + H_kv r)``.
     """
-    S, Q = prefix_sums(N, window)
+    S, Q = prefix_sums(N, window, chunk)
     streamed = H * (2 * S * d + 2 * S * d * r + 2 * S * r)
     extra = 0.0
     if not softcap:

@@ -294,7 +294,7 @@ def _build(spec: HeadSpec, weights: HeadWeights, x_q: Any, pos_q: Any, x_kv: Any
     fsum = _seqsum if rounded else mp.fsum
     _dot_ = _seqdot if rounded else _dot
     Qn, Nn = int(np.shape(x_q)[0]), int(np.shape(x_kv)[0])
-    mask = resolve_mask(mask, pos_q, pos_kv, Qn, Nn, spec.window)
+    mask = resolve_mask(mask, pos_q, pos_kv, Qn, Nn, spec.window, spec.chunk)
     Q, N, m = check_inputs(spec, weights, x_q, pos_q, x_kv, pos_kv, mask, bias)
     mask = np.asarray(mask.detach().cpu().numpy() if hasattr(mask, "detach") else mask, bool)
     sinks = spec.sinks

@@ -201,7 +201,7 @@ def step(spec: HeadSpec, weights: HeadWeights, x_q: Any, pos_q: Any, x_kv: Any, 
     kind = _gauge_kind(gauge)
     Qn = int(np.shape(x_q)[0]) if hasattr(x_q, "shape") else len(x_q)
     Nn = int(np.shape(x_kv)[0]) if hasattr(x_kv, "shape") else len(x_kv)
-    mask = resolve_mask(mask, pos_q, pos_kv, Qn, Nn, spec.window)
+    mask = resolve_mask(mask, pos_q, pos_kv, Qn, Nn, spec.window, spec.chunk)
     Q, N, m = check_inputs(spec, weights, x_q, pos_q, x_kv, pos_kv, mask, bias)
     if (delta_m or kind == "free") and not spec.affine:
         raise ValueError(f"family {spec.family!r} is not affine in u: Delta M and free gauges "

@@ -1547,7 +1547,7 @@ def dump_model_item(out: Path, context: int, layer: int, raw: dict,
     as float64 the ``scaling`` it passed, the tables' ``amplitude``, the rotary module's
     ``inv_freq`` (``d/2``, ropestep's pair order), ``softcap`` (0: none); as int64
     ``head_order`` (``d``: ropestep's dim ``c`` is the model's ``head_order[c]``) and
-    ``window`` (0: none)."""
+    ``window`` and ``chunk`` (0: none)."""
     floats = ("query", "key", "value", "rotary_cos", "rotary_sin")
     tensors = {k: (v.to(model_dtype) if k in floats else v) for k, v in raw.items()}
     save_tensors(out / f"context{context}_layer{layer}_model.safetensors", tensors)

@@ -49,7 +49,7 @@ from . import exact, fast, kernel, models, rope
 from . import tolerances as tl
 from .models.conventions import _norm_weight, qk_norms
 from .models.structure import onloaded
-from .spec import HeadSpec, HeadWeights, RoPESpec, _positions
+from .spec import HeadSpec, HeadWeights, RoPESpec, _positions, first_permitted
 from .verdict import finite, least, within, worst
 
 F64 = torch.float64
@@ -533,7 +533,8 @@ def conventions(model: Any, layer: int, x: Any, positions: Any, *,
                       scaling=scalar(float(d ** -0.5 if sc_run is None else sc_run)),
                       head_order=perm.to(torch.int64), amplitude=scalar(float(a)),
                       softcap=scalar(float(conv.softcap or 0.0)),
-                      window=scalar(int(conv.window or 0), torch.int64))
+                      window=scalar(int(conv.window or 0), torch.int64),
+                      chunk=scalar(int(conv.chunk or 0), torch.int64))
         if conv.rotary:
             record.update(rotary_cos=rec.cos.reshape(-1, rec.cos.shape[-1]),
                           rotary_sin=rec.sin.reshape(-1, rec.sin.shape[-1]))
@@ -694,9 +695,8 @@ def exact_reference(spec: HeadSpec, weights: HeadWeights, x: Any, positions: Any
     whole = spec.family == "qknorm" and spec.norm_scope == "all"
     built: dict = {}  # query -> the whole layer's build ("all" scope)
     for h, i in rows:
-        near = pk <= pq[i]
-        if spec.window is not None:  # the description's window (fast.step's causal mask)
-            near = near & (pq[i] - pk < int(spec.window))
+        near = (pk <= pq[i]) & (pk >= first_permitted(int(pq[i]), spec.window, spec.chunk))
+        # (the description's window and chunks: fast.step's causal mask)
         keys = torch.nonzero(near).flatten()
         args = (xq[i:i + 1].numpy(), pq[i:i + 1].numpy(), xk[keys].numpy(), pk[keys].numpy(),
                 np.ones((1, keys.numel()), bool))
@@ -1139,9 +1139,8 @@ class _Attention64:
                 k = _apply_model_norm(k.transpose(0, 1), *self.norms["k"], "head").transpose(0, 1)
             k = k.repeat_interleave(self.group, 0)
             out = []
-            W = self.conv.window
-            for i in rows:
-                lo = 0 if W is None else max(0, i - W + 1)  # the window, by sequence index
+            for i in rows:  # the window and chunks, by sequence index
+                lo = first_permitted(i, self.conv.window, self.conv.chunk)
                 s = (q[:, i:i + 1] @ k[:, lo: i + 1].transpose(-1, -2)) * self.scaling
                 w = _softmax_sinks(_phi(s, self.conv.softcap), self.sinks)  # (H, 1, keys)
                 out.append((w @ self.v[:, lo: i + 1])[:, 0])  # (H, r)
@@ -1226,11 +1225,11 @@ def _setup_positional(model: Any, layer: int, x: Any, positions: Any, queries: A
 
 def _row_terms(spec: HeadSpec, P: fast.Projected, qn: int, i: int, h: int):
     """Ropestep's pieces of row ``(h, i)``: effective query, keys and values of the permitted
-    ``j <= i`` (within the sliding window, by sequence index as the model masks), generator, the
+    ``j <= i`` (within the sliding window or chunk, by sequence index as the model masks), generator, the
     derivative bounds ``G_n = max_{j != i} sum_l omega_l^n |q_l| |k_jl|``, and the row of the
     query's own key among them."""
     q = P.q[h, qn]  # scaled rotated query
-    lo = 0 if spec.window is None else max(0, i - int(spec.window) + 1)
+    lo = first_permitted(i, spec.window, spec.chunk)
     K, V = P.k[h, lo: i + 1], P.v[h, lo: i + 1]
     own = i - lo
     A = rope.rope_generator(spec, h)

@@ -493,7 +493,7 @@ def _chunk(L: Layer, hs: list[int], hidx: torch.Tensor, qi: torch.Tensor, n_hi: 
            bufs: dict, outputs: tuple = ()) -> Chunk:
     """One key group on one chunk of queries: the kernel (or the low-rank pairwise kernel)."""
     spec = L.spec
-    mask = causal_chunk_mask(L.pos, qi, n_hi, spec.window)  # (Qc, n) permitted sets
+    mask = causal_chunk_mask(L.pos, qi, n_hi, spec.window, spec.chunk)  # (Qc, n) permitted sets
     beta = None
     if L.slopes is not None:
         dp = (L.pos[qi][:, None] - L.pos[None, :n_hi]).to(cd)
@@ -547,13 +547,17 @@ def _chunk(L: Layer, hs: list[int], hidx: torch.Tensor, qi: torch.Tensor, n_hi: 
 
 
 def causal_chunk_mask(pos: torch.Tensor, qi: torch.Tensor, n: int,
-                      window: int | None = None) -> torch.Tensor:
+                      window: int | None = None, chunk: int | None = None) -> torch.Tensor:
     """``mask[i, j] = p_j <= p_{q_i}`` for the chunk's queries ``qi`` over keys ``0..n-1``: the
     causal bank as the model computes it (the query's own key included); with a sliding
-    ``window`` also ``p_{q_i} - p_j < window``."""
+    ``window`` also ``p_{q_i} - p_j < window``, with chunked attention (``chunk``, the head's
+    blocks of positions -- not the streamed chunk of queries) also ``p_{q_i} // chunk == p_j //
+    chunk``."""
     m = pos[None, :n] <= pos[qi][:, None]
     if window is not None:
         m = m & ((pos[qi][:, None] - pos[None, :n]) < int(window))
+    if chunk is not None:
+        m = m & ((pos[qi][:, None] // int(chunk)) == (pos[None, :n] // int(chunk)))
     return m
 
 

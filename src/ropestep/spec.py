@@ -116,6 +116,10 @@ class HeadSpec:
     # sliding window: key j is permitted to query i only when p_i - p_j < window (Mistral,
     # Gemma 2/3 local layers); None: no window.  Applied to every mask (resolve_mask).
     window: int | None = None
+    # chunked attention: key j is permitted to query i only when p_j // chunk == p_i // chunk
+    # (Llama 4's chunked layers: the context is cut into blocks of `chunk` positions and each
+    # query reads its own block only); None: no chunks.  Applied to every mask (resolve_mask).
+    chunk: int | None = None
     norm_eps: float = 1e-6
     # "qknorm": one RMS per head over its d dims ("head", Qwen3, Gemma 3), or one over all heads'
     # H d (resp. H_kv d) dims of a token ("all", OLMo 2); weights (d,) or (heads, d)
@@ -282,6 +286,9 @@ def validate_spec(spec: HeadSpec) -> None:
     if spec.window is not None and (isinstance(spec.window, bool) or int(spec.window) != spec.window
                                     or spec.window < 1):
         raise ValueError(f"window must be a positive integer or None, got {spec.window!r}")
+    if spec.chunk is not None and (isinstance(spec.chunk, bool) or int(spec.chunk) != spec.chunk
+                                   or spec.chunk < 1):
+        raise ValueError(f"chunk must be a positive integer or None, got {spec.chunk!r}")
     if spec.softcap is not None and not (math.isfinite(spec.softcap) and spec.softcap > 0):
         raise ValueError(f"softcap must be finite and > 0, got {spec.softcap}")
     if spec.alibi_slopes is not None:
@@ -487,19 +494,37 @@ def bank_mask(n_queries: int, n_keys: int) -> np.ndarray:
     return np.ones((n_queries, n_keys), dtype=bool)
 
 
-def window_mask(pos_q: Sequence[int], pos_kv: Sequence[int], window: int | None) -> np.ndarray:
-    """``mask[i, j] = pos_q[i] - pos_kv[j] < window`` (all True without a window)."""
+def window_mask(pos_q: Sequence[int], pos_kv: Sequence[int], window: int | None,
+                chunk: int | None = None) -> np.ndarray:
+    """``mask[i, j] = pos_q[i] - pos_kv[j] < window`` and, with chunks, ``pos_q[i] // chunk ==
+    pos_kv[j] // chunk`` (all True without either)."""
     pq, pk = _positions(pos_q, "pos_q"), _positions(pos_kv, "pos_kv")
-    if window is None:
-        return np.ones((pq.shape[0], pk.shape[0]), dtype=bool)
-    return (pq[:, None] - pk[None, :]) < int(window)
+    out = np.ones((pq.shape[0], pk.shape[0]), dtype=bool)
+    if window is not None:
+        out &= (pq[:, None] - pk[None, :]) < int(window)
+    if chunk is not None:
+        out &= (pq[:, None] // int(chunk)) == (pk[None, :] // int(chunk))
+    return out
+
+
+def first_permitted(i: int, window: int | None = None, chunk: int | None = None) -> int:
+    """The earliest key a causal query at position (or sequence index) ``i`` reads: ``0``,
+    ``i - window + 1`` under a sliding window, the start ``(i // chunk) chunk`` of its chunk
+    under chunked attention (the latest of these).  The permitted set is ``first .. i``."""
+    lo = 0
+    if window is not None:
+        lo = max(lo, int(i) - int(window) + 1)
+    if chunk is not None:
+        lo = max(lo, (int(i) // int(chunk)) * int(chunk))
+    return lo
 
 
 def resolve_mask(mask: Any, pos_q: Any, pos_kv: Any, n_q: int, n_kv: int,
-                 window: int | None = None) -> np.ndarray | Any:
+                 window: int | None = None, chunk: int | None = None) -> np.ndarray | Any:
     """Accept ``"causal"``, ``"bank"`` (alias ``"prefix"``, ``"full"``) or a boolean array; with
     a sliding ``window`` (:attr:`HeadSpec.window`) every key at distance ``>= window`` from its
-    query is removed from the permitted set, whatever the mask."""
+    query is removed from the permitted set, with a ``chunk`` (:attr:`HeadSpec.chunk`) every
+    key outside the query's chunk -- whatever the mask."""
     if isinstance(mask, str):
         if mask == "causal":
             out = causal_mask(pos_q, pos_kv)
@@ -509,9 +534,9 @@ def resolve_mask(mask: Any, pos_q: Any, pos_kv: Any, n_q: int, n_kv: int,
             raise ValueError(f"unknown mask {mask!r}: use 'causal', 'bank' or a boolean array")
     else:
         out = mask
-    if window is None:
+    if window is None and chunk is None:
         return out
-    w = window_mask(pos_q, pos_kv, window)
+    w = window_mask(pos_q, pos_kv, window, chunk)
     if hasattr(out, "new_tensor"):  # a torch mask: combine on its device (no torch import)
         return out & out.new_tensor(w)
     return np.asarray(out, dtype=bool) & w

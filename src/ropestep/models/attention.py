@@ -20,6 +20,7 @@ from .layouts import candidates as layout_candidates
 from .errors import adapter_errors
 from .probe import AttentionRecord, recording
 from .structure import attention_module, layer_modules, offloaded, onloaded, output_projection
+from ..spec import first_permitted
 
 
 def layer_parts(model: Any, layer: int, info: ModelInfo | None = None
@@ -96,9 +97,8 @@ def run_attention(model: Any, layer: int, x: torch.Tensor, positions: torch.Tens
                                f"{layer}")
         pe = handed_tables(*layer_tables(model, rot, pos), conv.order)
     i, j = torch.arange(n)[:, None], torch.arange(n)[None]
-    ok = j <= i
-    if conv.window is not None:
-        ok = ok & (i - j < conv.window)
+    ok = (j <= i) & (j >= torch.tensor([first_permitted(int(t), conv.window, conv.chunk)
+                                        for t in range(n)])[:, None])
     mask = torch.zeros(n, n, dtype=x.dtype).masked_fill(~ok, torch.finfo(x.dtype).min)
     with recording(model, [layer]) as rec, torch.no_grad(), \
             adapter_errors(info.name, f"running layer {layer}'s {type(attn).__name__}"):

@@ -12,7 +12,9 @@ every layer's attention call, and reads per layer (:class:`LayerConventions`):
   ``a = cos(0)`` (YaRN's and LongRoPE's ``attention_factor``) is folded into the score scale
   (``s = scaling a^2 q R k``, with unit tables ``cos / a``).
 * **score**: ``scaling``, ``softcap``, ``sliding_window`` and attention sinks (``s_aux``) as the
-  layer's eager attention receives them, and the permitted sets from its additive mask.
+  layer's eager attention receives them, and the permitted sets from its additive mask: causal,
+  a causal window, or causal chunks (Llama 4), checked against the ``sliding_window`` and
+  ``attention_chunk_size`` the layer names.
 * **projections**: the layout (:mod:`ropestep.models.layouts`) and the rotation (or none, for a
   layer that does not rotate) that reproduce the layer's own rotated queries and keys and its
   values, on the probe's tokens, within a derived rounding bound -- a reading no candidate
@@ -23,8 +25,8 @@ every layer's attention call, and reads per layer (:class:`LayerConventions`):
   soft-cap, mask and sinks reproduce its eager output (float64 against the model's dtype).
 
 What the exact layer does not model is refused with one line (:class:`UnsupportedModelError`):
-multi-head latent attention, QK-norm over the whole projection, additive biases in the mask,
-permitted sets that are neither causal nor a causal window, attention without RoPE tables.
+additive biases in the mask, permitted sets that are neither causal, a causal window nor causal
+chunks, a position-dependent query temperature at the run's positions (Llama 4's NoPE layers).
 """
 from __future__ import annotations
 
@@ -36,7 +38,7 @@ from typing import Any, Sequence
 import torch
 
 from .. import tolerances as tl
-from ..spec import HeadSpec, HeadWeights, LatentSpec, RoPESpec
+from ..spec import HeadSpec, HeadWeights, LatentSpec, RoPESpec, first_permitted
 from .errors import UnsupportedModelError, adapter_errors
 from .layouts import candidates as layout_candidates
 from .layouts import project as project_part
@@ -46,9 +48,10 @@ from .structure import (attention_module, attention_modules, layer_modules, mode
 
 F64 = torch.float64
 PROBE_TOKENS = 24  # tokens of the reading forward (windows below it are checked on the mask)
-# a sliding window the layers name but the reading forward is too short to show is checked on a
-# second forward of window + 1 tokens (its masks only) up to this width; a wider one is taken
-# as named, and a mask that disagrees fails the native comparisons of runs longer than it
+# a sliding window (or chunk) the layers name but the reading forward is too short to show is
+# checked on a second forward of window + 1 tokens (its masks only) up to this width; a wider
+# one is taken as named, and a mask that disagrees fails the native comparisons of runs longer
+# than it
 WINDOW_PROBE_MAX = 1024
 
 
@@ -98,6 +101,9 @@ class LayerConventions:
     value_scale: float = 1.0  # a constant the module multiplies its values by (MiMo-V2's v_scale)
     clip: float | None = None  # projections clipped to [-clip, clip] (DBRX's clip_qkv)
     norm_after_rope: bool = False  # QK-norm acting on the rotated vectors (Hunyuan)
+    chunk: int | None = None  # chunked attention: j // chunk == i // chunk besides j <= i
+    # the first position whose query temperature is not 1 (Llama 4's NoPE layers), or None
+    temperature_from: int | None = None
 
     @property
     def score_scale(self) -> float:
@@ -110,7 +116,7 @@ class LayerConventions:
             "amplitude", "scaling", "softcap", "window", "qk_norm", "norm_scope", "norm_eps",
             "qkv_bias",
             "o_bias", "sinks", "output_direct", "sign", "order", "value_scale", "clip",
-            "norm_after_rope")}
+            "norm_after_rope", "chunk", "temperature_from")}
         d["score_scale"] = self.score_scale
         return d
 
@@ -455,6 +461,53 @@ def _permitted(r: AttentionRecord, n: int, who: str, L: int) -> torch.Tensor:
     return m == 0
 
 
+def _temperature_from(attn: Any) -> int | None:
+    """The first position at which a layer's query temperature differs from 1, or None.
+
+    Llama 4's NoPE layers (``attn_temperature_tuning`` on a layer with ``use_rope`` off) scale
+    the query at position ``p`` by ``1 + attn_scale log(1 + floor((p + 1) / floor_scale))``:
+    exactly 1 below ``p = floor_scale - 1``, so a run shorter than that is the plain head, and a
+    longer one is refused (:func:`layer_head`).  A temperature under other names is not read
+    here: the reading forward's queries then disagree with the projection and the layer is
+    refused, and a run's own queries are compared with the reading in every run."""
+    if not getattr(attn, "attn_temperature_tuning", False) or getattr(attn, "use_rope", True):
+        return None
+    f, a = getattr(attn, "floor_scale", None), getattr(attn, "attn_scale", None)
+    if not a:  # attn_scale 0: the temperature is 1 everywhere
+        return None
+    if not f or not math.isfinite(float(f)) or float(f) <= 0:
+        return 0
+    return max(0, math.ceil(float(f)) - 1)
+
+
+def _temperature_text(attn: Any) -> str:
+    return (f"attn_temperature_tuning, floor_scale {getattr(attn, 'floor_scale', None)}, "
+            f"attn_scale {getattr(attn, 'attn_scale', None)}")
+
+
+def _permitted_sets(n: int, window: int | None, chunk: int | None) -> torch.Tensor:
+    """``(n, n)`` causal permitted sets by sequence index under a window and/or chunks
+    (:func:`ropestep.spec.first_permitted`)."""
+    i, j = torch.arange(n)[:, None], torch.arange(n)[None]
+    first = torch.tensor([first_permitted(t, window, chunk) for t in range(n)])[:, None]
+    return (j <= i) & (j >= first)
+
+
+def _named_chunk(model: Any, attn: Any, L: int) -> int | None:
+    """The chunk size a layer's configuration names for it (Llama 4: ``attention_chunk_size``
+    on the layers ``layer_types`` calls ``chunked_attention``), or None.  The mask is the
+    reading; this is the name it is checked against (and taken from where the reading forward
+    is shorter than one chunk)."""
+    size = getattr(attn, "attention_chunk_size", None)
+    if size is None:
+        cfg = getattr(attn, "config", None) or getattr(model, "config", None)
+        size = getattr(cfg, "attention_chunk_size", None)
+        types = getattr(cfg, "layer_types", None)
+        if size is None or types is None or L >= len(types) or "chunk" not in str(types[L]):
+            return None
+    return int(size) if size else None
+
+
 def _eager_probabilities(r: AttentionRecord, allowed: torch.Tensor, scaling: float,
                          softcap: float | None, group: int) -> torch.Tensor:
     """The layer's attention probabilities recomputed in float64 from its own q, k (and sink
@@ -502,6 +555,12 @@ def _read_layer(model: Any, info: ModelInfo, L: int, r: AttentionRecord) -> Laye
             f"{tuple(r.key.shape)}, expected (1, {H}, n, {d}) / (1, {Hk}, N, {d})")
     rv = int(r.value.shape[-1])
     mdt = r.hidden.dtype
+    temp_from = _temperature_from(attn)
+    if temp_from is not None and temp_from < n:
+        raise UnsupportedModelError(
+            f"{who}: layer {L} multiplies its queries by a position-dependent temperature from "
+            f"position {temp_from} on ({_temperature_text(attn)}), which the reading forward of "
+            f"{n} tokens reaches: not modelled")
     order = "cos_sin"
     if r.cos is None:  # a layer handed no tables (a NoPE layer): only "no rotation" can fit
         cos = sin = torch.ones(n, 0, dtype=F64)
@@ -637,24 +696,36 @@ def _read_layer(model: Any, info: ModelInfo, L: int, r: AttentionRecord) -> Laye
     i, j = torch.arange(n)[:, None], torch.arange(N)[None]
     causal = j <= i
     named = kw.get("sliding_window", getattr(attn, "sliding_window", None))
-    window = None
-    if not torch.equal(allowed, causal):  # a window, read from the mask: the widest row
+    named_chunk = _named_chunk(model, attn, L)
+    window = chunk = None
+    if not torch.equal(allowed, causal):  # a window or chunks, read from the mask
         first = torch.where(allowed, j.expand(n, N), N).amin(1)  # earliest permitted key
-        window = int((torch.arange(n) - first + 1).max())
+        # chunks: the first row after 0 that reads only itself opens the second chunk
+        opens = [t for t in range(1, n) if int(first[t]) == t]
+        if opens and named is None and torch.equal(allowed, _permitted_sets(n, None, opens[0])):
+            chunk = opens[0]
+        else:  # a window: the widest row
+            window = int((torch.arange(n) - first + 1).max())
     if window is not None and named is not None and int(named) != window:
         raise UnsupportedModelError(
             f"{who}: layer {L}'s mask is a window of {window} keys, its attention names "
             f"sliding_window={named}")
-    if window is None and named is not None and int(named) < n:
+    if chunk is not None and named_chunk is not None and named_chunk != chunk:
         raise UnsupportedModelError(
-            f"{who}: layer {L} names sliding_window={named} but its mask over {n} tokens is "
-            "causal")
-    if window is None and named is not None:
-        window = int(named)  # named, and wider than the probe: the mask cannot show it
-    want = causal if window is None else causal & (i - j < window)
-    if not torch.equal(allowed, want):
+            f"{who}: layer {L}'s mask is chunks of {chunk} positions, its config names "
+            f"attention_chunk_size={named_chunk}")
+    if window is None and chunk is None:
+        for what, v in (("sliding_window", named), ("attention_chunk_size", named_chunk)):
+            if v is not None and int(v) < n:
+                raise UnsupportedModelError(
+                    f"{who}: layer {L} names {what}={v} but its mask over {n} tokens is causal")
+        # named, and wider than the probe: the mask cannot show it (checked on a longer forward)
+        window = None if named is None else int(named)
+        chunk = named_chunk
+    if not torch.equal(allowed, _permitted_sets(n, window, chunk)):
         raise UnsupportedModelError(
-            f"{who}: layer {L}'s permitted sets are neither causal nor a causal window")
+            f"{who}: layer {L}'s permitted sets are neither causal, a causal window nor causal "
+            "chunks")
     # eager attention takes its softmax in float32 for every storage dtype wider than it;
     # below float32 (bf16/fp16) its scores and probabilities are stored in that dtype
     if mdt in (torch.float32, F64):
@@ -696,8 +767,8 @@ def _read_layer(model: Any, info: ModelInfo, L: int, r: AttentionRecord) -> Laye
         layer=L, attention=type(attn).__name__, layout=lname, output=out_name,
         rotary=rot_name if Rr else None, rotary_dim=Rr, pairing=pairing, tables=form,
         amplitude=a,
-        scaling=scaling, softcap=softcap, window=window, qk_norm=qk_norm, norm_scope=scope,
-        norm_eps=eps,
+        scaling=scaling, softcap=softcap, window=window, chunk=chunk, qk_norm=qk_norm,
+        norm_scope=scope, norm_eps=eps, temperature_from=temp_from,
         qkv_bias=(parts["q"][1] is not None if parts is not None
                   else attn.kv_a_proj_with_mqa.bias is not None),
         o_bias=out_lin.bias is not None, sinks=sinks,
@@ -980,10 +1051,15 @@ def _state(mod: Any) -> tuple:
 
 def _fingerprint(model: Any) -> tuple:
     """The attention modules (and their children), rotary modules, modeling modules' eager
-    functions and the attention implementation -- what :func:`describe_model` reads."""
+    functions, the attention implementation and the configuration (the masks a model builds --
+    its window, its chunks -- follow it) -- what :func:`describe_model` reads."""
     import sys
 
-    parts: list = [getattr(model.config, "_attn_implementation", None), model.training]
+    try:
+        cfg = str(model.config.to_dict())
+    except Exception:  # noqa: BLE001 -- a configuration that cannot be listed: never cached
+        cfg = object()
+    parts: list = [getattr(model.config, "_attn_implementation", None), model.training, cfg]
     for layer in layer_modules(model):
         parts.append(id(layer.forward) if "forward" in vars(layer) else None)
         for _, attn in attention_modules(layer):
@@ -999,7 +1075,8 @@ def describe_model(model_or_config: Any, *, fresh: bool = False) -> ModelInfo:
     layer is read and checked on one short forward (:func:`read_layer`).
 
     The reading is kept on the model with a fingerprint of everything it read (the attention
-    and rotary modules' attributes and tensors, the eager functions); any change there -- or
+    and rotary modules' attributes and tensors, the eager functions, the configuration); any
+    change there -- or
     ``fresh=True`` -- reads again.  Whatever goes wrong inside the reading is one
     :class:`UnsupportedModelError` line naming the model and the reason (never a traceback).
     """
@@ -1072,19 +1149,21 @@ def _read_model(model: Any, info: ModelInfo) -> ModelInfo:
                             f"({type(attention_module(layer_modules(model)[L], info.name, L)).__name__})"):
             read[L] = replace(read_layer(model, mine, L, r), sizes=sizes[L])
     layers = tuple(read.get(L) for L in range(n))
-    unseen = [c for c in read.values() if c.window is not None and c.window >= PROBE_TOKENS]
-    wide = max((c.window for c in unseen), default=0)
+    unseen = [c for c in read.values() if max(c.window or 0, c.chunk or 0) >= PROBE_TOKENS]
+    wide = max((max(c.window or 0, c.chunk or 0) for c in unseen), default=0)
     if unseen and wide <= WINDOW_PROBE_MAX:
         n2 = wide + 1
         recs2 = probe_forward(model, n2, layers=[c.layer for c in unseen],
                               keep=("key", "mask", "kwargs"))
-        i, j = torch.arange(n2)[:, None], torch.arange(n2)[None]
         for c in unseen:
             got = _permitted(recs2[c.layer], n2, info.name, c.layer)
-            if not torch.equal(got, (j <= i) & (i - j < c.window)):
+            if not torch.equal(got, _permitted_sets(n2, c.window, c.chunk)):
+                named = (f"sliding_window={c.window}" if c.window is not None else "") + \
+                    (" and " if c.window is not None and c.chunk is not None else "") + \
+                    (f"attention_chunk_size={c.chunk}" if c.chunk is not None else "")
                 raise UnsupportedModelError(
-                    f"{info.name}: layer {c.layer} names sliding_window={c.window} but its mask "
-                    f"over {n2} tokens is not that causal window")
+                    f"{info.name}: layer {c.layer} names {named} but its mask over {n2} tokens "
+                    "is not that")
     convs = list(read.values())
     return replace(info, family="qknorm" if any(c.qk_norm for c in convs) else "dot",
                    qkv_bias=any(c.qkv_bias for c in convs),
@@ -1203,8 +1282,9 @@ def layer_head(model: Any, layer: int, n_positions: int, *, dtype: torch.dtype =
     on the concatenated heads ``(H, r, H r)`` and ``b_o`` None: the write is taken in head space
     (:func:`ropestep.models.capture` then gives the concatenated heads as the write ``o``).
     RoPE: :func:`rope_tables`; the score scale is the
-    layer's ``scaling`` times ``a^2``; soft-capping and the sliding window (``spec.window``:
-    keys at distance ``>= window`` leave every permitted set) as the layer's; attention sinks
+    layer's ``scaling`` times ``a^2``; soft-capping, the sliding window (``spec.window``:
+    keys at distance ``>= window`` leave every permitted set) and chunked attention
+    (``spec.chunk``: keys outside the query's chunk leave it) as the layer's; attention sinks
     (``spec.sinks``) are the module's own logits, read from the parameter its eager call is
     handed.
     """
@@ -1214,6 +1294,12 @@ def layer_head(model: Any, layer: int, n_positions: int, *, dtype: torch.dtype =
     conv = info.layers[layer]
     who = info.name
     attn = attention_module(layer_modules(model)[layer], who, layer)
+    tf = conv.temperature_from
+    if tf is not None and n_positions > tf:
+        raise UnsupportedModelError(
+            f"{who}: layer {layer} multiplies its queries by a position-dependent temperature "
+            f"from position {tf} on ({_temperature_text(attn)}), not modelled: this run's "
+            f"{n_positions} positions reach it (runs of up to {tf} tokens are exact)")
     if conv.layout == "latent":
         with onloaded(attn):
             return _latent_head(model, info, conv, attn, n_positions, dtype, device)
@@ -1276,7 +1362,7 @@ def layer_head(model: Any, layer: int, n_positions: int, *, dtype: torch.dtype =
                       layout="half" if conv.pairing == "half" else "interleaved",
                       cos=cos.to(dtype), sin=sin.to(dtype), freqs=freqs),
         family="qknorm" if conv.qk_norm else "dot", scale=conv.score_scale,
-        softcap=conv.softcap, norm_eps=norm_eps, window=conv.window,
+        softcap=conv.softcap, norm_eps=norm_eps, window=conv.window, chunk=conv.chunk,
         norm_scope=conv.norm_scope if conv.qk_norm else "head")
     weights.check(spec, m)
     return spec, weights
@@ -1366,6 +1452,7 @@ def _latent_head(model: Any, info: ModelInfo, conv: LayerConventions, attn: Any,
         rope=RoPESpec(base=info.rope_theta if math.isfinite(info.rope_theta) else 10000.0,
                       layout="interleaved", cos=cos.to(dtype), sin=sin.to(dtype), freqs=freqs),
         family="latent", scale=conv.scaling, softcap=conv.softcap, window=conv.window,
+        chunk=conv.chunk,
         latent=LatentSpec(rank, rope, q_rank or None, kv_eps, q_eps), sinks=_sinks(attn, conv))
     weights.check(spec, int(kva_w.shape[1]))
     return spec, weights

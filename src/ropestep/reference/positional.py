@@ -449,9 +449,10 @@ def _ratio(err: np.ndarray, werr: np.ndarray, tol: np.ndarray, tlo: np.ndarray,
 def positional(lay: dict, item: dict, mod: dict, facts: dict, layer: int, context: int,
                seed: int, undecided: list) -> dict[str, tuple[dict, dict]]:
     """The ``position_derivative`` and ``position_shift`` records of one layer, with widths."""
-    if float(mod["softcap"][0]) != 0.0 or int(mod["window"][0]) != 0:
-        raise ValueError(f"layer {layer}: soft-capped or windowed layer; this reference covers "
-                         "neither")
+    if float(mod["softcap"][0]) != 0.0 or int(mod["window"][0]) != 0 or \
+            ("chunk" in mod and int(mod["chunk"][0]) != 0):
+        raise ValueError(f"layer {layer}: soft-capped, windowed or chunked layer; this reference "
+                         "covers none of these")
     x = item["x_bank"].astype(np.float64)
     N, m = x.shape
     H, Hk, d, layout = facts["n_heads"], facts["n_kv_heads"], facts["head_dim"], facts["layout"]
