@@ -369,12 +369,16 @@ class HeadWeights:
                 if _shape(a, name) != shp:
                     raise ValueError(f"{name} must have shape {shp}, got {_shape(a, name)}")
                 _finite(a, name)
+        self._check_w_o(H, r)
+        return mm
+
+
+    def _check_w_o(self, H: int, r: int) -> None:
+        """The output projection, where given: ``(H, r, hidden)``."""
         if self.w_o is not None:
             got = _shape(self.w_o, "w_o")
             if len(got) != 3 or got[:2] != (H, r):
                 raise ValueError(f"w_o must have shape ({H}, {r}, hidden), got {got}")
-        return mm
-
 
     def _check_latent(self, spec: HeadSpec, m: int | None) -> int:
         lt = spec.latent
@@ -407,10 +411,7 @@ class HeadWeights:
             if got != shp:
                 raise ValueError(f"{name} must have shape {shp}, got {got}")
             _finite(a, name)
-        if self.w_o is not None:
-            got = _shape(self.w_o, "w_o")
-            if len(got) != 3 or got[:2] != (H, r):
-                raise ValueError(f"w_o must have shape ({H}, {r}, hidden), got {got}")
+        self._check_w_o(H, r)
         return mm
 
 
