@@ -15,12 +15,12 @@ from typing import Any
 import torch
 
 from .conventions import (LayerConventions, ModelInfo, _layout_tables, _partner, _per_pair,
-                          _perm, _rotate, check_layer_index, describe_model, layer_tables)
+                          _perm, _permitted_sets, _rotate, check_layer_index, describe_model,
+                          layer_tables)
 from .layouts import candidates as layout_candidates
 from .errors import adapter_errors
 from .probe import AttentionRecord, recording
 from .structure import attention_module, layer_modules, offloaded, onloaded, output_projection
-from ..spec import first_permitted
 
 
 def layer_parts(model: Any, layer: int, info: ModelInfo | None = None
@@ -96,9 +96,7 @@ def run_attention(model: Any, layer: int, x: torch.Tensor, positions: torch.Tens
             raise RuntimeError(f"{info.name}: no layer rotates, so no RoPE tables to hand layer "
                                f"{layer}")
         pe = handed_tables(*layer_tables(model, rot, pos), conv.order)
-    i, j = torch.arange(n)[:, None], torch.arange(n)[None]
-    ok = (j <= i) & (j >= torch.tensor([first_permitted(int(t), conv.window, conv.chunk)
-                                        for t in range(n)])[:, None])
+    ok = _permitted_sets(n, conv.window, conv.chunk)
     mask = torch.zeros(n, n, dtype=x.dtype).masked_fill(~ok, torch.finfo(x.dtype).min)
     with recording(model, [layer]) as rec, torch.no_grad(), \
             adapter_errors(info.name, f"running layer {layer}'s {type(attn).__name__}"):
