@@ -617,8 +617,9 @@ class ExactReference:
     space: str = "input"
 
 
-def _one_head(spec: HeadSpec, weights: HeadWeights, h: int) -> tuple[HeadSpec, HeadWeights]:
-    """Query head ``h`` alone, with its KV head ``spec.kv_head(h)`` (GQA resolved here)."""
+def one_head(spec: HeadSpec, weights: HeadWeights, h: int) -> tuple[HeadSpec, HeadWeights]:
+    """Query head ``h`` alone, with its KV head ``spec.kv_head(h)`` (GQA resolved here), as a
+    one-head description (float64 weights on the CPU)."""
     g = spec.kv_head(h)
     base = spec.rope.bases(spec.n_heads)[h]
     rs = RoPESpec(base=base, layout=spec.rope.layout, cos=spec.rope.cos, sin=spec.rope.sin)
@@ -631,7 +632,8 @@ def _one_head(spec: HeadSpec, weights: HeadWeights, h: int) -> tuple[HeadSpec, H
                   family=spec.family, scale=spec.score_scale(h), softcap=spec.softcap,
                   alibi_slopes=None if spec.alibi_slopes is None else (spec.alibi_slopes[h],),
                   norm_eps=spec.norm_eps, latent=spec.latent, clip=spec.clip,
-                  sinks=None if spec.sinks is None else (spec.sinks[h],))
+                  sinks=None if spec.sinks is None else (spec.sinks[h],), window=spec.window,
+                  chunk=spec.chunk, norm_after_rope=spec.norm_after_rope)
 
     def sl(a: Any, i: int, axis: int) -> Any:
         if a is None:
@@ -705,7 +707,7 @@ def exact_reference(spec: HeadSpec, weights: HeadWeights, x: Any, positions: Any
                 built[i] = exact.build(spec, weights, *args, dps=int(digits))
             E, he = built[i], h
         else:
-            s1, w1 = _one_head(spec, weights, h)
+            s1, w1 = one_head(spec, weights, h)
             E, he = exact.build(s1, w1, *args, dps=int(digits)), 0
         nk = keys.numel()
         with mp.workprec(E.prec):

@@ -1288,8 +1288,8 @@ def test_no_global_readout_without_an_output_projection(tiny):
 
 
 def test_one_head_keeps_every_field_of_its_head(tiny, qk):
-    """``_one_head`` (the oracle's per-row description) keeps head ``h``'s own RoPE base, score
-    scale, soft-cap, ALiBi slope, value width and norm epsilon, slices its query head and its KV
+    """``one_head`` (the oracle's per-row description) keeps head ``h``'s own RoPE base, score
+    scale, soft-cap, ALiBi slope, value width, norm epsilon, window, chunk and norm order, slices its query head and its KV
     head's weights (numpy or torch), carries a per-head norm's gain, and refuses a norm over the
     whole projection (it needs every head)."""
     spec, w = tiny["spec"], tiny["w"]
@@ -1297,17 +1297,19 @@ def test_one_head_keeps_every_field_of_its_head(tiny, qk):
     bases = tuple(float(spec.rope.base) * (1 + k) for k in range(H))
     odd = replace(spec, rope=replace(spec.rope, base=bases, cos=None, sin=None, freqs=None),
                   softcap=30.0, alibi_slopes=tuple(0.1 * (k + 1) for k in range(H)),
-                  scale=0.3, norm_eps=1e-5)  # every field off its default
+                  scale=0.3, norm_eps=1e-5, window=5, chunk=7,
+                  norm_after_rope=spec.family == "qknorm")  # every field off its default
     wn = replace(w, **{k: np.asarray(getattr(w, k)) for k in ("w_q", "w_k", "w_v", "b_q", "b_k",
                                                               "b_v")})
     h = H - 1
     g = spec.kv_head(h)
-    s1, w1 = rc._one_head(odd, wn, h)
+    s1, w1 = rc.one_head(odd, wn, h)
     assert (s1.n_heads, s1.n_kv_heads, s1.head_dim, s1.v_dim) == (1, 1, spec.head_dim,
                                                                   spec.v_dim)
     assert s1.rope.bases(1)[0] == bases[h] and s1.softcap == 30.0 and s1.norm_eps == 1e-5
     assert tuple(s1.alibi_slopes) == (odd.alibi_slopes[h],)
     assert s1.score_scale(0) == odd.score_scale(h) and s1.family == spec.family
+    assert (s1.window, s1.chunk, s1.norm_after_rope) == (5, 7, odd.norm_after_rope)
     for name, idx, axis in (("w_q", h, 1), ("w_k", g, 1), ("w_v", g, 1), ("b_q", h, 0),
                             ("b_k", g, 0), ("b_v", g, 0)):
         got = getattr(w1, name)
@@ -1315,20 +1317,20 @@ def test_one_head_keeps_every_field_of_its_head(tiny, qk):
         assert got.dtype == torch.float64 and torch.equal(got, want), name
     assert w1.q_norm is None and w1.k_norm is None
     t = qk("qwen3")  # per-head QK-norm: the gains travel with the head
-    sq, wq = rc._one_head(t["spec"], t["w"], 1)
+    sq, wq = rc.one_head(t["spec"], t["w"], 1)
     assert sq.family == "qknorm" and sq.norm_eps == t["spec"].norm_eps
     assert torch.equal(wq.q_norm, torch.as_tensor(t["w"].q_norm).double())
     assert torch.equal(wq.k_norm, torch.as_tensor(t["w"].k_norm).double())
     # numpy and bfloat16 gains read the same (the gains a capture or a user hands over)
     for conv in (np.asarray, lambda a: torch.as_tensor(a).to(torch.bfloat16)):
         wc = replace(t["w"], q_norm=conv(t["w"].q_norm), k_norm=conv(t["w"].k_norm))
-        _, wcq = rc._one_head(t["spec"], wc, 1)
+        _, wcq = rc.one_head(t["spec"], wc, 1)
         for got, src in ((wcq.q_norm, wc.q_norm), (wcq.k_norm, wc.k_norm)):
             assert got.dtype == torch.float64 and torch.equal(got, torch.as_tensor(src).double())
     whole = replace(t["spec"], norm_scope="all")
     with pytest.raises(ValueError, match=r"^a norm over every head of a token needs every head: "
                                          r"build the whole layer \(exact_reference does\)$"):
-        rc._one_head(whole, t["w"], 0)
+        rc.one_head(whole, t["w"], 0)
 
 
 # ---------------------------------------------------------------------------------------------

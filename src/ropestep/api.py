@@ -1,0 +1,806 @@
+"""ropestep as a library: the gradient step of any prompt, on a model already loaded.
+
+Three calls take a researcher from a loaded Hugging Face ``*ForCausalLM`` to the objects of the
+identity ``y_i = mu_i + u_i^T Delta M_i`` for their own tokens (docs/api.md)::
+
+    lab = ropestep.attach(model, tokenizer)        # conventions read and proven, once
+    run = lab.run("The cat sat. The cat", layers=[3])  # one forward, the layer's tensors kept
+    st = run[3].step(head=2, query=-1)              # c_ij, mu_i, T_i, Delta M_i, readout, bound
+
+:func:`attach` reads every softmax-attention layer's conventions from the model and checks the
+reading against the model's own tensors (:func:`ropestep.models.describe_model`, the reading
+every command makes); a model that the adapter does not model is refused with one
+:class:`~ropestep.models.UnsupportedModelError` line naming what is not modelled.  A model
+loaded with another attention implementation (SDPA, flash) is switched to ``eager`` for
+ropestep's forwards only and switched back after each.
+
+:meth:`Attached.run` makes one batch-1 forward (:func:`ropestep.models.capture`) and keeps, per
+requested layer, the head input ``x`` and the model's own per-head outputs.  Nothing else is
+computed until asked: :class:`LayerRun` gives, lazily,
+
+* :meth:`LayerRun.step` -- one head and query: scores, softmax weights, ``c_ij``, ``mu_i``,
+  ``T_i``, ``Delta M_i`` (input space for affine heads, the query-space step otherwise, with the
+  reason), the readout against the softmax output and against the model's own output, each with
+  its derived bound, ``kappa``, ``lambda_max`` and descent in both spaces;
+  cost: one head's projection of the query's keys (one GEMM), not a layer's;
+* :meth:`LayerRun.reuse` -- frozen reuse of one anchor's matrix for other queries, at their own
+  positions (the atlas's measure) or placed at the anchor's position and bank (the paper's
+  setting, with the tokenwise formula and the operator-norm bound);
+* :meth:`LayerRun.check` -- every head and query of the layer through the atlas's own evaluation
+  (:func:`ropestep.atlas.evaluate_layer`, :func:`ropestep.atlas.summarise_layer`): the same
+  numbers and the same verdict rules as ``ropestep atlas`` on these tokens;
+* :meth:`LayerRun.position_derivative` -- ``d y_i / d p_i`` by the RoPE generator against the
+  model's own attention (:func:`ropestep.realchecks.position_derivative`).
+
+Tables (:meth:`LayerCheck.rows`, :meth:`LayerCheck.to_pandas`) and figures
+(:mod:`ropestep.api` ``plot_*``) come from these results.  Bad input (a layer out of range or not
+softmax attention, a head or query out of range, a prompt longer than the model's context, a
+string prompt without a tokenizer, a model in training mode) raises :class:`ApiError` naming the
+problem.  A verdict is never silent: a check that fails raises :class:`VerdictError` from
+``assert_passed``, and NaN or inf is a failure.
+
+Layering: this module sits above the experiments (atlas, realchecks) and below the commands
+(import-linter contract in pyproject.toml).
+"""
+from __future__ import annotations
+
+import math
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Sequence
+
+import numpy as np
+import torch
+
+from . import atlas, fast, models, tolerances
+from .kernel import augment
+from .realchecks import one_head
+from .spec import HeadSpec, HeadWeights, first_permitted
+
+__all__ = ["ApiError", "Attached", "HeadStep", "LayerCheck", "LayerRun", "ReuseResult", "Run",
+           "VerdictError", "attach", "load", "plot_coefficients", "plot_lambda", "plot_reuse"]
+
+F64 = torch.float64
+
+
+class ApiError(ValueError):
+    """Bad input to the library (layer, head or query out of range, prompt too long, ...)."""
+
+
+class VerdictError(AssertionError):
+    """A check of the identity failed (``assert_passed``); the message names every failure."""
+
+
+# ---------------------------------------------------------------------------------------------
+# attaching to a model
+# ---------------------------------------------------------------------------------------------
+@contextmanager
+def _eager(model: Any) -> Iterator[None]:
+    """The model's attention implementation set to ``eager`` inside, restored on exit."""
+    impl = getattr(model.config, "_attn_implementation", None)
+    if impl == "eager":
+        yield
+        return
+    if not callable(getattr(model, "set_attn_implementation", None)):
+        raise ApiError(f"{models.structure.model_name(model)} uses attention implementation "
+                       f"{impl!r} and cannot be switched to 'eager'; load it with "
+                       "attn_implementation='eager'")
+    model.set_attn_implementation("eager")
+    try:
+        yield
+    finally:
+        model.set_attn_implementation(impl)
+
+
+def _is_model(obj: Any) -> bool:
+    return isinstance(obj, torch.nn.Module) and hasattr(obj, "config") and \
+        callable(getattr(obj, "get_input_embeddings", None))
+
+
+def attach(model: Any, tokenizer: Any = None) -> "Attached":
+    """Read and prove the conventions of a loaded Hugging Face causal LM; return the handle
+    whose :meth:`Attached.run` gives the identity's objects for any prompt.
+
+    ``model``: a ``*ForCausalLM`` (any device, dtype or accelerate placement) in eval mode;
+    ``tokenizer``: the model's tokenizer (needed for text prompts only).
+
+    >>> import ropestep, ropestep.archzoo as zoo
+    >>> lab = ropestep.attach(zoo.build("llama"))
+    >>> lab.layers
+    (0, 1)
+    """
+    if not _is_model(model):
+        raise ApiError(f"attach() needs a Hugging Face causal LM (a torch module with a config "
+                       f"and input embeddings), got {type(model).__name__}")
+    if model.training:
+        raise ApiError(f"{models.structure.model_name(model)} is in training mode (dropout): "
+                       "call model.eval() first")
+    with _eager(model):
+        info = models.describe_model(model)
+    return Attached(model, tokenizer, info)
+
+
+def load(source: str, *, gguf: str | None = None, revision: str | None = None,
+         dtype: torch.dtype = torch.float32, device: str = "cpu", device_map: Any = None
+         ) -> "Attached":
+    """Load a model (hub id, local directory or ``.gguf`` file, as the commands do:
+    :func:`ropestep.models.load_model`) with its tokenizer and attach to it.  ``"smollm2"`` is
+    the packaged SmolLM2-135M GGUF."""
+    if source.lower() == "smollm2":
+        if gguf is not None:
+            raise ApiError("gguf= cannot be combined with 'smollm2' (the alias names the "
+                           "packaged GGUF file)")
+        source = str(models.locate_smollm2_gguf())
+    model, tok = models.load_model(source, revision=revision, gguf_file=gguf, dtype=dtype,
+                                   device=device, device_map=device_map)
+    return attach(model, tok)
+
+
+class Attached:
+    """A loaded model whose conventions are read and proven (:func:`attach`)."""
+
+    def __init__(self, model: Any, tokenizer: Any, info: models.ModelInfo) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.info = info
+
+    @property
+    def layers(self) -> tuple[int, ...]:
+        """The softmax-attention layers (a hybrid's other layers are in :attr:`others`)."""
+        return tuple(self.info.softmax_layers)
+
+    @property
+    def others(self) -> dict[int, str]:
+        """Layers that are not softmax attention, each with the reason."""
+        return dict(self.info.others)
+
+    def conventions(self, layer: int) -> models.LayerConventions:
+        """What was read for ``layer`` (rotary, pairing, scale, window, norms, ...)."""
+        return self.info.layers[self._layer(layer)]
+
+    def __repr__(self) -> str:
+        i = self.info
+        return (f"Attached({i.name}: {i.n_layers} layers, {len(self.layers)} softmax, "
+                f"{i.n_heads} heads, {i.n_kv_heads} KV heads, head_dim {i.head_dim})")
+
+    def _layer(self, layer: Any) -> int:
+        if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)):
+            raise ApiError(f"a layer is an int, got {layer!r}")
+        L = int(layer)
+        n = self.info.n_layers
+        if L < 0:
+            L += n
+        if not 0 <= L < n:
+            raise ApiError(f"layer {layer} out of range: the model has {n} layers "
+                           f"(valid: 0..{n - 1})")
+        if L not in self.info.softmax_layers:
+            raise ApiError(f"layer {L} is not softmax attention "
+                           f"({self.others.get(L, 'not read')})")
+        return L
+
+    def encode(self, prompt: Any) -> torch.Tensor:
+        """Token ids ``(n,)`` of a text (tokenizer, no special tokens added) or of given ids."""
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ApiError("a text prompt needs a tokenizer: attach(model, tokenizer) or "
+                               "pass token ids")
+            ids = self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+            ids = torch.as_tensor(ids, dtype=torch.long)
+        else:
+            ids = torch.as_tensor(prompt)
+            if ids.dtype.is_floating_point or ids.dtype == torch.bool:
+                raise ApiError(f"token ids must be integers, got {ids.dtype}")
+            ids = ids.long()
+        if ids.ndim == 2 and ids.shape[0] == 1:
+            ids = ids[0]
+        if ids.ndim != 1 or ids.numel() == 0:
+            raise ApiError(f"a prompt is a non-empty 1-D sequence of token ids, got shape "
+                           f"{tuple(ids.shape)}")
+        vocab = int(self.model.get_input_embeddings().weight.shape[0])
+        bad = ids[(ids < 0) | (ids >= vocab)]
+        if bad.numel():
+            raise ApiError(f"token id {int(bad[0])} out of range: the vocabulary has {vocab} ids")
+        return ids
+
+    def run(self, prompt: Any, *, layers: Any = "all", positions: Any = None) -> "Run":
+        """One eager forward over ``prompt`` (text or token ids), keeping ``layers`` (``"all"``
+        softmax layers, an int, or a list); ``positions`` default to ``0..n-1``."""
+        ids = self.encode(prompt)
+        n = int(ids.numel())
+        if isinstance(layers, str):
+            if layers != "all":
+                raise ApiError(f"layers must be 'all', an int or a list of ints, got {layers!r}")
+            Ls = list(self.layers)
+        else:
+            Ls = sorted({self._layer(L) for L in ([layers] if isinstance(
+                layers, (int, np.integer)) else list(layers))})
+        if not Ls:
+            raise ApiError("no layers requested")
+        pos = torch.arange(n) if positions is None else torch.as_tensor(positions).long().reshape(-1)
+        if tuple(pos.shape) != (n,):
+            raise ApiError(f"positions has shape {tuple(pos.shape)} for {n} tokens")
+        if n > 1 and bool((pos.diff() < 0).any()) or int(pos.min()) < 0:
+            raise ApiError("positions must be non-negative and non-decreasing")
+        top = int(pos.max()) + 1
+        ctx = getattr(getattr(self.model.config, "get_text_config", lambda: self.model.config)(),
+                      "max_position_embeddings", None)
+        if ctx is not None and top > int(ctx):
+            raise ApiError(f"the prompt reaches position {top - 1}, beyond the model's context "
+                           f"(max_position_embeddings {ctx})")
+        with _eager(self.model):
+            info = models.describe_model(self.model)
+            caps = models.capture(self.model, ids, Ls, position_ids=pos)
+        self.info = info
+        return Run(self, ids, pos, {L: LayerRun(self, caps[L]) for L in Ls})
+
+    def runs(self, prompts: Sequence[Any], **kw: Any) -> list["Run"]:
+        """:meth:`run` on each prompt of a batch (one batch-1 forward each)."""
+        if isinstance(prompts, str):
+            raise ApiError("runs() takes a list of prompts; use run() for one")
+        return [self.run(p, **kw) for p in prompts]
+
+
+class Run:
+    """One prompt's forward: its tokens and the requested layers (:class:`LayerRun`)."""
+
+    def __init__(self, attached: Attached, ids: torch.Tensor, positions: torch.Tensor,
+                 layers: dict[int, "LayerRun"]) -> None:
+        self.attached = attached
+        self.ids = ids
+        self.positions = positions
+        self.layers = layers
+
+    def __getitem__(self, layer: int) -> "LayerRun":
+        L = self.attached._layer(layer)
+        if L not in self.layers:
+            raise ApiError(f"layer {L} was not kept by this run (kept: {sorted(self.layers)})")
+        return self.layers[L]
+
+    def __iter__(self) -> Iterator["LayerRun"]:
+        return iter(self.layers[L] for L in sorted(self.layers))
+
+    def __len__(self) -> int:
+        return len(self.layers)
+
+    @property
+    def tokens(self) -> list[str]:
+        """The prompt's tokens as text (token ids as strings without a tokenizer)."""
+        tok = self.attached.tokenizer
+        if tok is None:
+            return [str(int(t)) for t in self.ids]
+        return [tok.decode([int(t)]) for t in self.ids]
+
+    def check(self, **kw: Any) -> dict[int, "LayerCheck"]:
+        """:meth:`LayerRun.check` of every kept layer."""
+        return {L: lr.check(**kw) for L, lr in sorted(self.layers.items())}
+
+    def rows(self, **kw: Any) -> list[dict]:
+        """One row per layer and head of :meth:`check` (a tidy table)."""
+        return [r for c in self.check(**kw).values() for r in c.rows()]
+
+
+# ---------------------------------------------------------------------------------------------
+# one layer
+# ---------------------------------------------------------------------------------------------
+@dataclass
+class HeadStep:
+    """The identity's objects for one head and query (float64; ``keys`` index the prompt).
+
+    ``space`` is ``"input"`` (``u_i = [x_i; 1]``, ``Delta M_i`` is ``(m+1, r)``) for a head whose
+    score is affine in ``u``, else ``"query"`` (``u`` is ``z_i = [q~_i; 1]``, the rotated,
+    normalised query, and ``Delta M^q_i = [scale T_i; b_i^T]`` is ``(d+1, r)``;
+    ``not_defined["input_space"]`` says why).  ``readout = mu + u^T delta_m``; ``y`` the softmax
+    output recomputed in float64; ``native`` the model's own output.  ``identity_error`` and
+    ``native_error`` are max-abs differences, each with its derived bound
+    (:func:`ropestep.tolerances.readout_bound`, :func:`~ropestep.tolerances.model_dtype_native_bound`).
+    """
+
+    layer: int
+    head: int
+    query: int
+    position: int
+    space: str
+    keys: torch.Tensor  # (N_i,) prompt indices of the permitted keys
+    scores: torch.Tensor  # (N_i,) s_ij (bias included)
+    softmax: torch.Tensor  # (N_i,) the attention weights
+    c: torch.Tensor  # (N_i,) c_ij = phi_1(s_ij) / Z_i
+    mu: torch.Tensor  # (r,)
+    T: torch.Tensor  # (d, r)
+    b: torch.Tensor | None  # (r,) bias row (attention sinks), else None
+    u: torch.Tensor  # (m+1,) or (d+1,)
+    delta_m: torch.Tensor  # (m+1, r) or (d+1, r)
+    y: torch.Tensor  # (r,)
+    readout: torch.Tensor  # (r,)
+    native: torch.Tensor  # (r,)
+    kappa: float
+    identity_error: float
+    identity_bound: float
+    native_error: float
+    native_bound: float
+    lambda_max: dict = field(default_factory=dict)  # {"query": float, "input": float | None}
+    descends: dict = field(default_factory=dict)  # {"query": bool, "input": bool | None}
+    sink_weight: float | None = None  # the attention sink's share of the row, where one is
+    not_defined: dict = field(default_factory=dict)  # statistic -> why it does not exist here
+
+    @property
+    def failures(self) -> list[str]:
+        out = []
+        for name, e, b in (("identity", self.identity_error, self.identity_bound),
+                           ("native", self.native_error, self.native_bound)):
+            if not (math.isfinite(e) and math.isfinite(b)):
+                out.append(f"{name}: not finite (error {e}, bound {b})")
+            elif e > b:
+                out.append(f"{name}: error {e:.3e} exceeds its bound {b:.3e}")
+        return out
+
+    @property
+    def passed(self) -> bool:
+        return not self.failures
+
+    def assert_passed(self) -> None:
+        if self.failures:
+            raise VerdictError(f"layer {self.layer} head {self.head} query {self.query}: "
+                               + "; ".join(self.failures))
+
+
+@dataclass
+class ReuseResult:
+    """Frozen reuse of the anchor's matrix for ``queries`` (float64, one head).
+
+    ``at="own"``: each query at its own position and causal bank, predicted by
+    ``mu_a + q_i(p_a) T_a + b_a`` (``u_i^T Delta M_a``; the atlas's measure), against the softmax
+    output ``y_i``; ``const_error``: the anchor's output ``y_a`` as the prediction,
+    ``mean_error``: ``|y_i - mu_i|`` (what the relative error divides by); ``tv``: total
+    variation between the two attention rows.  ``at="anchor"``: every query placed at the
+    anchor's position reading the anchor's bank (the paper's setting), with the tokenwise
+    formula of the error and the bound ``||u_i|| ||Delta M_i - Delta M_a||_op``
+    (:func:`ropestep.fast.frozen_reuse`).
+    """
+
+    layer: int
+    head: int
+    anchor: int
+    at: str
+    queries: torch.Tensor  # (Q,)
+    distance: torch.Tensor  # (Q,) p_i - p_a
+    frozen: torch.Tensor  # (Q, r)
+    y: torch.Tensor  # (Q, r)
+    error: torch.Tensor  # (Q,) |y_i - frozen_i| (2-norm over the value dims)
+    relative_error: torch.Tensor  # (Q,) error / |y_i - mu_i|
+    const_error: torch.Tensor | None = None  # (Q,) |y_i - y_a| (at="own")
+    tv: torch.Tensor | None = None  # (Q,) (at="own")
+    tokenwise: torch.Tensor | None = None  # (Q, r) the error's tokenwise formula (at="anchor")
+    bound: torch.Tensor | None = None  # (Q,) (at="anchor", affine heads)
+
+    def rows(self) -> list[dict]:
+        out = []
+        for k in range(int(self.queries.numel())):
+            row = {"layer": self.layer, "head": self.head, "anchor": self.anchor, "at": self.at,
+                   "query": int(self.queries[k]), "distance": int(self.distance[k]),
+                   "error": float(self.error[k]), "relative_error": float(self.relative_error[k])}
+            if self.tv is not None:
+                row["tv"] = float(self.tv[k])
+                row["const_error"] = float(self.const_error[k])
+            if self.bound is not None:
+                row["bound"] = float(self.bound[k])
+            out.append(row)
+        return out
+
+
+class LayerCheck:
+    """Every head and query of one layer through the atlas's evaluation (:meth:`LayerRun.check`):
+    ``result`` the per-query arrays (:class:`ropestep.atlas.LayerResult`, ``(H, n)`` each),
+    ``summary`` the per-head statistics and checks (:func:`ropestep.atlas.summarise_layer`)."""
+
+    def __init__(self, layer: int, result: atlas.LayerResult, summary: dict) -> None:
+        self.layer = layer
+        self.result = result
+        self.summary = summary
+
+    @property
+    def failures(self) -> list[str]:
+        out = [f"layer {self.layer} head {h['head']}: " + ", ".join(
+            k for k, v in h["checks"].items() if not v) for h in self.summary["heads"]
+            if not h["passed"]]
+        return out + list(self.summary["errors"])
+
+    @property
+    def passed(self) -> bool:
+        return bool(self.summary["passed"]) and not self.failures
+
+    def assert_passed(self) -> None:
+        if not self.passed:
+            raise VerdictError("; ".join(self.failures))
+
+    def rows(self, per: str = "head") -> list[dict]:
+        """A tidy table: one row per head (``per="head"``: the atlas's per-head statistics and
+        checks, nested values flattened with ``.``) or per head and query (``per="query"``:
+        the per-query arrays, NaN where a statistic does not exist)."""
+        if per == "head":
+            out = []
+            for h in self.summary["heads"]:
+                row: dict = {"layer": self.layer}
+                _flatten(h, "", row)
+                out.append(row)
+            return out
+        if per != "query":
+            raise ApiError(f"per must be 'head' or 'query', got {per!r}")
+        arr = self.result.arrays
+        H, n = next(iter(arr.values())).shape
+        return [{"layer": self.layer, "head": h, "query": i,
+                 **{k: float(v[h, i]) for k, v in arr.items()}}
+                for h in range(H) for i in range(n)]
+
+    def to_pandas(self, per: str = "head") -> Any:
+        """:meth:`rows` as a pandas DataFrame (pandas is an optional dependency)."""
+        try:
+            import pandas as pd
+        except ImportError:  # pragma: no cover - depends on the environment
+            raise ApiError("to_pandas() needs pandas: pip install pandas") from None
+        return pd.DataFrame(self.rows(per))
+
+
+def _flatten(d: dict, prefix: str, out: dict) -> None:
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            _flatten(v, key + ".", out)
+        elif not isinstance(v, list):
+            out[key] = v
+
+
+class LayerRun:
+    """One layer of one prompt: the captured head input and the model's own head outputs, and
+    the identity's objects computed from them on request (module docstring)."""
+
+    def __init__(self, attached: Attached, cap: Any) -> None:
+        self.attached = attached
+        self.layer = int(cap.layer)
+        self.positions = cap.positions  # (n,) int64
+        self.x = cap.x  # (n, m) the model's dtype
+        self.native = cap.heads  # (n, H, r) the model's dtype
+        self._spec: tuple[HeadSpec, HeadWeights] | None = None
+        self._head_cache: dict[int, dict] = {}
+        self._check: dict = {}
+
+    # -- the layer's description -----------------------------------------------------------
+    @property
+    def head_description(self) -> tuple[HeadSpec, HeadWeights]:
+        """``(spec, weights)`` of the layer in the math layout, float64 (built once)."""
+        if self._spec is None:
+            n_pos = int(self.positions.max()) + 1
+            with _eager(self.attached.model):
+                self._spec = models.layer_head(self.attached.model, self.layer, n_pos,
+                                               dtype=F64)
+        return self._spec
+
+    @property
+    def spec(self) -> HeadSpec:
+        return self.head_description[0]
+
+    @property
+    def weights(self) -> HeadWeights:
+        return self.head_description[1]
+
+    @property
+    def n(self) -> int:
+        return int(self.x.shape[0])
+
+    @property
+    def space(self) -> str:
+        """``"input"`` where ``Delta M_i`` exists (the score is affine in ``u``), else ``"query"``."""
+        return "input" if self.spec.affine else "query"
+
+    @property
+    def input_space_reason(self) -> str | None:
+        """Why the input-space objects do not exist on this layer (None where they do)."""
+        s = self.spec
+        if s.affine:
+            return None
+        what = ("its projections are clipped (clip_qkv)" if s.clip is not None else
+                f"its {s.family!r} score normalises the query" if s.family in ("qknorm", "cosine")
+                else "its query passes a norm (latent attention with a query latent)")
+        return (f"not defined: {what}, so the score is not affine in u = [x; 1] and no "
+                "input-space Delta M or Hessian exists (docs/math.md section 8); the query-space "
+                "step holds")
+
+    def __repr__(self) -> str:
+        return f"LayerRun(layer {self.layer}, {self.n} tokens, space {self.space!r})"
+
+    def _head(self, head: Any) -> int:
+        H = self.attached.info.n_heads
+        if isinstance(head, bool) or not isinstance(head, (int, np.integer)):
+            raise ApiError(f"a head is an int, got {head!r}")
+        h = int(head) + (H if int(head) < 0 else 0)
+        if not 0 <= h < H:
+            raise ApiError(f"head {head} out of range: layer {self.layer} has {H} heads "
+                           f"(valid: 0..{H - 1})")
+        return h
+
+    def _query(self, query: Any) -> int:
+        if isinstance(query, bool) or not isinstance(query, (int, np.integer)):
+            raise ApiError(f"a query is an int (a token index of the prompt), got {query!r}")
+        i = int(query) + (self.n if int(query) < 0 else 0)
+        if not 0 <= i < self.n:
+            raise ApiError(f"query {query} out of range: the prompt has {self.n} tokens "
+                           f"(valid: 0..{self.n - 1})")
+        return i
+
+    def _one(self, h: int) -> tuple[HeadSpec, HeadWeights]:
+        """Head ``h`` alone (with its KV head), or the whole layer where a norm spans every head
+        (then the step's head index is ``h``, else 0)."""
+        spec, w = self.head_description
+        if spec.family == "qknorm" and spec.norm_scope != "head":
+            return spec, w
+        return one_head(spec, w, h)
+
+    def _scales(self, h: int) -> dict:
+        """The context-wide scales of head ``h`` the bounds use (as the atlas's): ``max|v|``,
+        ``max|native|``, ``max |q_eff| max |k~|``."""
+        if h not in self._head_cache:
+            s1, w1 = self._one(h)
+            hh = h if s1 is self.spec else 0
+            P = fast.project(s1, w1, self.x, self.positions, self.x, self.positions, dtype=F64)
+            self._head_cache[h] = {
+                "vscale": float(P.v[hh].abs().max()),
+                "nscale": float(self.native[:, h].double().abs().max()),
+                "qk_max": float(P.q[hh].norm(dim=-1).max() * P.k[hh].norm(dim=-1).max()),
+            }
+        return self._head_cache[h]
+
+    def _keys(self, i: int) -> torch.Tensor:
+        """The prompt indices of query ``i``'s permitted keys (causal, window, chunks)."""
+        p = int(self.positions[i])
+        lo = first_permitted(p, self.spec.window, self.spec.chunk)
+        return torch.nonzero((self.positions <= p) & (self.positions >= lo)).flatten()
+
+    # -- one head and query ----------------------------------------------------------------
+    def step(self, head: int, query: int = -1, *, gauge: str = "original") -> HeadStep:
+        """The identity for ``head`` at ``query`` (a token index; ``-1`` the last): see
+        :class:`HeadStep`.  ``gauge``: ``"original"`` (the paper's) or ``"maxkey"``."""
+        if gauge not in ("original", "maxkey"):
+            raise ApiError(f"gauge must be 'original' or 'maxkey', got {gauge!r}")
+        h, i = self._head(head), self._query(query)
+        spec = self.spec
+        s1, w1 = self._one(h)
+        hh = h if s1 is spec else 0
+        keys = self._keys(i)
+        xq, pq = self.x[i:i + 1], self.positions[i:i + 1]
+        xk, pk = self.x[keys], self.positions[keys]
+        affine = spec.affine
+        st = fast.step(s1, w1, xq, pq, xk, pk, "causal", gauge=gauge, dtype=F64,
+                       delta_m=affine, keep=("c", "t", "b"))
+        P: fast.Projected = st.extras["projected"]
+        nk = int(keys.numel())
+        s_row = st.s[hh, 0, :nk]
+        sinks = spec.sinks is not None
+        z = s_row if spec.softcap is None else spec.softcap * torch.tanh(s_row / spec.softcap)
+        if sinks:
+            sk = torch.tensor([spec.sinks[h]], dtype=F64)
+            p_all = torch.softmax(torch.cat((z, sk)), -1)
+            p_row, sink_w = p_all[:nk], float(p_all[-1])
+        else:
+            p_row, sink_w = torch.softmax(z, -1), None
+        if affine:
+            u = augment(self.x[i:i + 1].to(F64))[0]
+            dm = st.delta_m[hh, 0]
+        else:
+            u = fast.query_input(st)[hh, 0]
+            dm = fast.query_delta_m(st)[hh, 0]
+        # the readout: the kernel's mu + q T + b (gauge offsets included)
+        ro, y, mu = st.readout[hh, 0], st.y[hh, 0], st.mu[hh, 0]
+        nat = self.native[i, h].to(F64)
+        sc = self._scales(h)
+        kap = float(st.kappa[hh, 0])
+        smax = float(s_row.abs().max())
+        npre = nk + int(sinks)
+        d, m = spec.head_dim, int(self.x.shape[1])
+        id_bound = max(float(tolerances.readout_bound(F64, kap, npre, d, smax)),
+                       tolerances.FLOAT64_REL) * sc["vscale"]
+        mdt = self.x.dtype
+        nat_bound = float(tolerances.model_dtype_native_bound(
+            mdt if mdt != F64 else torch.float32, np.array([kap]), np.array([npre]), d, m,
+            np.array([smax]), np.array([sc["qk_max"]]), sc["vscale"], sc["nscale"],
+            arith=F64)[0])
+        lam: dict = {}
+        desc: dict = {}
+        nd: dict = {}
+        if not affine:
+            nd["input_space"] = self.input_space_reason
+        if spec.softcap is not None or sinks:
+            why = ("soft-capped scores: the unit step's descent statistics are derived for "
+                   "phi = id (docs/math.md section 3)" if spec.softcap is not None else
+                   "attention sinks: the sink key's feature lies in the bias coordinate "
+                   "(docs/math.md section 13)")
+            nd["descent"] = f"not defined: {why}"
+        elif gauge == "original":
+            qd = fast.query_descent(st)
+            lam["query"] = float(qd.lam_max[hh, 0])
+            desc["query"] = bool(qd.descends[hh, 0])
+            if affine:
+                dd = fast.descent(st)
+                lam["input"] = float(dd.lam_max[hh, 0])
+                desc["input"] = bool(dd.descends[hh, 0])
+        else:
+            nd["descent"] = "computed in the original gauge: call step(..., gauge='original')"
+        return HeadStep(
+            layer=self.layer, head=h, query=i, position=int(self.positions[i]),
+            space="input" if affine else "query", keys=keys, scores=s_row, softmax=p_row,
+            c=st.c[hh, 0, :nk], mu=mu, T=st.t[hh, 0], b=None if st.b is None else st.b[hh, 0],
+            u=u, delta_m=dm, y=y, readout=ro, native=nat, kappa=kap,
+            identity_error=float((ro - y).abs().max()), identity_bound=id_bound,
+            native_error=float((ro - nat).abs().max()), native_bound=nat_bound,
+            lambda_max=lam, descends=desc, sink_weight=sink_w, not_defined=nd)
+
+    def delta_m(self, head: int, query: int = -1) -> torch.Tensor:
+        """``Delta M_i`` of one head and query, ``(m+1, r)`` float64 (input space; a head whose
+        score is not affine in ``u`` raises :class:`ApiError` with the reason -- use
+        :meth:`step`, whose ``delta_m`` is then the query-space step)."""
+        if not self.spec.affine:
+            raise ApiError(f"layer {self.layer}: Delta M_i in input space is "
+                           f"{self.input_space_reason}")
+        return self.step(head, query).delta_m
+
+    # -- frozen reuse ----------------------------------------------------------------------
+    def reuse(self, head: int, anchor: int, queries: Any = None, *, at: str = "own"
+              ) -> ReuseResult:
+        """Frozen reuse of ``anchor``'s matrix for ``queries`` (default: every later token), at
+        the queries' own positions (``at="own"``) or at the anchor's (``at="anchor"``): see
+        :class:`ReuseResult`."""
+        h, a = self._head(head), self._query(anchor)
+        if queries is None:
+            qs = list(range(a + 1, self.n))
+        else:
+            qs = [self._query(q) for q in (queries if not isinstance(queries, (int, np.integer))
+                                           else [queries])]
+        if not qs:
+            raise ApiError(f"no queries to reuse anchor {a}'s matrix for")
+        if at not in ("own", "anchor"):
+            raise ApiError(f"at must be 'own' or 'anchor', got {at!r}")
+        s1, w1 = self._one(h)
+        hh = h if s1 is self.spec else 0
+        qi = torch.tensor(qs)
+        pa = int(self.positions[a])
+        dist = self.positions[qi] - pa
+        if at == "anchor":
+            keys = self._keys(a)
+            rows = torch.cat((torch.tensor([a]), qi))
+            pos = torch.full((rows.numel(),), pa)
+            st = fast.step(s1, w1, self.x[rows], pos, self.x[keys], self.positions[keys], "bank",
+                           dtype=F64, keep=("c", "t", "b"))
+            fr = fast.frozen_reuse(st, anchor=0, bound=True)
+            err = fr.error[hh, 1:]
+            base = (st.y[hh, 1:] - st.mu[hh, 1:]).norm(dim=-1)
+            return ReuseResult(self.layer, h, a, at, qi, dist, fr.frozen[hh, 1:], st.y[hh, 1:],
+                               err.norm(dim=-1), err.norm(dim=-1) / base,
+                               tokenwise=fr.tokenwise[hh, 1:],
+                               bound=None if fr.bound is None else fr.bound[hh, 1:])
+        # own positions: the anchor's T_a, mu_a, b_a; query i's effective query at p_a
+        top = int(max(qs + [a])) + 1
+        ka = self._keys(a)
+        sa = fast.step(s1, w1, self.x[a:a + 1], self.positions[a:a + 1], self.x[ka],
+                       self.positions[ka], "causal", dtype=F64, keep=("c", "t", "b"))
+        Pq = fast.project(s1, w1, self.x[qi], torch.full((len(qs),), pa), self.x[:1],
+                          self.positions[:1], dtype=F64)
+        qa = Pq.q[hh]  # (Q, d): q_i placed at the anchor's position
+        ba = 0 if sa.b is None else sa.b[hh, 0]
+        frozen = sa.mu[hh, 0] + qa @ sa.t[hh, 0] + ba
+        st = fast.step(s1, w1, self.x[qi], self.positions[qi], self.x[:top],
+                       self.positions[:top], "causal", dtype=F64, keep=("c",))
+        y, mu = st.y[hh], st.mu[hh]
+        # attention rows (softmax of phi(s), the sink's share included) for the TV distance
+        Pa = fast.project(s1, w1, self.x[a:a + 1], self.positions[a:a + 1], self.x[:top],
+                          self.positions[:top], dtype=F64)
+        rows_p = _rows_softmax(self.spec, st.s[hh, :, :top], st.mask[:, :top], h)  # (sink column off)
+        pa_row = _rows_softmax(self.spec, (Pa.q[hh] @ Pa.k[hh].T)
+                               + (0 if Pa.beta is None else Pa.beta[hh]),
+                               _causal(self.spec, self.positions[a:a + 1], self.positions[:top]),
+                               h)
+        err = (y - frozen).norm(dim=-1)
+        return ReuseResult(self.layer, h, a, at, qi, dist, frozen, y, err,
+                           err / (y - mu).norm(dim=-1),
+                           const_error=(y - sa.y[hh, 0]).norm(dim=-1),
+                           tv=0.5 * (rows_p - pa_row).abs().sum(-1))
+
+    # -- the whole layer, as the atlas --------------------------------------------------------
+    def check(self, *, anchor_every: int = 64, dtype: torch.dtype | None = None,
+              device: Any = None) -> LayerCheck:
+        """Every head and query of the layer through :func:`ropestep.atlas.evaluate_layer` and
+        :func:`~ropestep.atlas.summarise_layer` -- the numbers and verdict ``ropestep atlas``
+        gives on these tokens.  ``dtype``: the low-precision pass's dtype (default: the model's,
+        float32 for a float64 model)."""
+        if isinstance(anchor_every, bool) or not isinstance(anchor_every, int) or anchor_every < 1:
+            raise ApiError(f"anchor_every must be a positive int, got {anchor_every!r}")
+        lp = dtype if dtype is not None else (self.x.dtype if self.x.dtype != F64
+                                              else torch.float32)
+        if lp not in (torch.float32, torch.bfloat16, torch.float16):
+            raise ApiError(f"dtype must be float32, bfloat16 or float16, got {lp}")
+        key = (anchor_every, lp, str(device))
+        if key not in self._check:
+            spec, w = self.head_description
+            res = atlas.evaluate_layer(spec, w, self.x, self.positions, self.native,
+                                       layer=self.layer, lp_dtype=lp, anchor_every=anchor_every,
+                                       device=device)
+            summ = atlas.summarise_layer([res], spec, int(self.x.shape[1]), self.n, lp)
+            self._check[key] = LayerCheck(self.layer, res, summ)
+        return self._check[key]
+
+    def position_derivative(self, queries: Sequence[int]) -> dict:
+        """``d y_i / d p_i`` of every head at ``queries`` by the RoPE generator against a
+        central difference of the model's own attention, with its derived tolerance, and the
+        anchor that this float64 composition reproduces the captured head outputs
+        (:func:`ropestep.realchecks.position_derivative`; its result dict, ``"ok"`` the verdict).
+        """
+        from . import realchecks
+
+        qs = [self._query(q) for q in queries]
+        if not qs:
+            raise ApiError("no queries given")
+        with _eager(self.attached.model):
+            return realchecks.position_derivative(
+                self.attached.model, self.layer, self.x, self.positions, qs, heads=self.native,
+                head=self.head_description)
+
+
+def _causal(spec: HeadSpec, pq: torch.Tensor, pk: torch.Tensor) -> torch.Tensor:
+    from .spec import resolve_mask
+
+    return torch.as_tensor(resolve_mask("causal", pq.numpy(), pk.numpy(), int(pq.numel()),
+                                        int(pk.numel()), spec.window, spec.chunk))
+
+
+def _rows_softmax(spec: HeadSpec, s: torch.Tensor, mask: torch.Tensor, h: int) -> torch.Tensor:
+    """Attention rows ``softmax(phi(s))`` over the permitted keys (the sink's share taken)."""
+    z = s if spec.softcap is None else spec.softcap * torch.tanh(s / spec.softcap)
+    z = z.masked_fill(~mask.to(z.device), -math.inf)
+    if spec.sinks is None:
+        return torch.softmax(z, -1)
+    sk = torch.full((*z.shape[:-1], 1), float(spec.sinks[h]), dtype=z.dtype)
+    return torch.softmax(torch.cat((z, sk), -1), -1)[..., :-1]
+
+
+# ---------------------------------------------------------------------------------------------
+# figures
+# ---------------------------------------------------------------------------------------------
+def _axes(ax: Any) -> Any:
+    if ax is not None:
+        return ax
+    import matplotlib.pyplot as plt
+
+    return plt.subplots(figsize=(5, 3.5))[1]
+
+
+def plot_coefficients(st: HeadStep, ax: Any = None) -> Any:
+    """``c_ij`` against the softmax weights of one step (log-log), one point per key."""
+    ax = _axes(ax)
+    ax.loglog(st.softmax.numpy(), st.c.numpy(), ".", ms=3)
+    ax.set_xlabel("softmax weight p_ij")
+    ax.set_ylabel("c_ij = phi_1(s_ij) / Z_i")
+    ax.set_title(f"layer {st.layer} head {st.head} query {st.query}")
+    return ax
+
+
+def plot_reuse(r: ReuseResult, ax: Any = None) -> Any:
+    """Relative frozen-reuse error against the distance to the anchor."""
+    ax = _axes(ax)
+    ax.semilogy(r.distance.numpy(), r.relative_error.numpy(), ".", ms=3)
+    ax.set_xlabel("distance to the anchor p_i - p_a")
+    ax.set_ylabel("|y_i - y_fr_i| / |y_i - mu_i|")
+    ax.set_title(f"layer {r.layer} head {r.head}, anchor {r.anchor} ({r.at})")
+    return ax
+
+
+def plot_lambda(check: LayerCheck, ax: Any = None, space: str = "query") -> Any:
+    """``lambda_max`` of every head and query of a layer (:meth:`LayerRun.check`), with the
+    line ``lambda_max = 2`` above which the unit step can overshoot."""
+    ax = _axes(ax)
+    arr = check.result.arrays["lam_query" if space == "query" else "lam_input"]
+    H = arr.shape[0]
+    for h in range(H):
+        ax.semilogy(np.full(arr.shape[1], h), arr[h], ".", ms=2)
+    ax.axhline(2.0, color="k", lw=0.8)
+    ax.set_xlabel("head")
+    ax.set_ylabel(f"lambda_max ({space} space)")
+    ax.set_title(f"layer {check.layer}")
+    return ax
+
