@@ -97,27 +97,116 @@ def _is_model(obj: Any) -> bool:
         callable(getattr(obj, "get_input_embeddings", None))
 
 
+# what a wrapper's forward may differ from its model's by, in next-token log-probabilities: the
+# gate that the Hugging Face model found inside a wrapper is the model the wrapper runs.  Another
+# model's weights move log-probabilities by O(1); the same function evaluated with other float32
+# roundings (TransformerLens's weight folding and centring, another kernel order) moves them by
+# the float32 agreement level of the whole network, which TransformerLens documents as ~1e-3
+# relative for a kernel change -- the gate takes 1e-3 of the log-probabilities' scale.
+WRAPPER_LOGPROB_REL = 1e-3
+
+
+def _unwrap(obj: Any, tokenizer: Any) -> tuple[Any, Any, str | None]:
+    """``(model, tokenizer, via)``: a Hugging Face model as given, or the one inside an nnsight
+    ``LanguageModel`` (its own module object: the wrapper's forward is the model's, hooks aside)
+    or a TransformerLens ``TransformerBridge`` (``original_model``, checked against the bridge's
+    own forward: :data:`WRAPPER_LOGPROB_REL`)."""
+    top = type(obj).__module__.split(".")[0]  # (a bridge has a config and embeddings too)
+    if _is_model(obj) and top not in ("nnsight", "transformer_lens"):
+        return obj, tokenizer, None
+    if top == "nnsight":
+        inner = vars(obj).get("_module")
+        if not _is_model(inner):
+            raise ApiError(f"this nnsight {type(obj).__name__} wraps "
+                           f"{type(inner).__name__}, not a Hugging Face causal LM")
+        return inner, tokenizer if tokenizer is not None else getattr(obj, "tokenizer", None), \
+            "nnsight"
+    if top == "transformer_lens":
+        inner = getattr(obj, "original_model", None)
+        if not _is_model(inner):
+            raise ApiError(
+                f"a TransformerLens {type(obj).__name__} holds converted weights and no Hugging "
+                "Face model: load it as a TransformerBridge (TransformerBridge.boot_transformers) "
+                "or attach the Hugging Face model itself")
+        tok = tokenizer if tokenizer is not None else getattr(obj, "tokenizer", None)
+        model = _from_bridge(inner)
+        _same_forward(obj, model)
+        return model, tok, "TransformerLens"
+    raise ApiError(f"attach() needs a Hugging Face causal LM (a torch module with a config "
+                   f"and input embeddings), an nnsight LanguageModel or a TransformerLens "
+                   f"TransformerBridge, got {type(obj).__name__}")
+
+
+BRIDGED = "._original_component"
+
+
+def _from_bridge(inner: Any) -> Any:
+    """The Hugging Face model a TransformerBridge was built over, as a model of its own class:
+    the bridge replaces the model's modules in place by its components (each keeping the
+    original as ``_original_component``), so the adapter cannot read it as it is; a fresh model
+    of the same configuration takes the original components' tensors (copied, by name)."""
+    names = {k.replace(BRIDGED, ""): v for k, v in inner.state_dict().items()}
+    if not any(BRIDGED in k for k in inner.state_dict()):
+        return inner  # not bridged in place: the model itself
+    from transformers import AutoModelForCausalLM
+
+    p = next(inner.parameters())
+    fresh = AutoModelForCausalLM.from_config(inner.config, attn_implementation="eager",
+                                             dtype=p.dtype)
+    want = fresh.state_dict()
+    missing = [k for k in want if k not in names]
+    if missing:
+        raise ApiError(f"the TransformerBridge's model has no tensor for {missing[0]} (of "
+                       f"{len(missing)}): its modules cannot be mapped back to "
+                       f"{type(fresh).__name__}")
+    fresh.load_state_dict({k: names[k] for k in want}, strict=True)
+    return fresh.to(p.device).eval()
+
+
+def _same_forward(wrapper: Any, model: Any, n: int = 8) -> None:
+    """The wrapper's next-token log-probabilities on ``n`` seeded tokens against the model's."""
+    vocab = int(model.get_input_embeddings().weight.shape[0])
+    ids = torch.randint(0, vocab, (1, n), generator=torch.Generator().manual_seed(0))
+    dev = next(model.parameters()).device
+    with torch.no_grad():
+        ref = torch.log_softmax(model(ids.to(dev)).logits.double(), -1)
+        got = wrapper(ids.to(dev))
+        got = torch.log_softmax(getattr(got, "logits", got).double(), -1)
+    if tuple(got.shape) != tuple(ref.shape):
+        raise ApiError(f"the wrapper's logits have shape {tuple(got.shape)}, its model's "
+                       f"{tuple(ref.shape)}")
+    err = float((got - ref).abs().max())
+    tol = WRAPPER_LOGPROB_REL * max(1.0, float(ref.abs().max()))
+    if not err <= tol:
+        raise ApiError(f"the wrapper's forward differs from its Hugging Face model's by {err:.2e} "
+                       f"in log-probability (gate {tol:.2e}): the model inside is not the one "
+                       "the wrapper runs")
+
+
 def attach(model: Any, tokenizer: Any = None) -> "Attached":
     """Read and prove the conventions of a loaded Hugging Face causal LM; return the handle
     whose :meth:`Attached.run` gives the identity's objects for any prompt.
 
-    ``model``: a ``*ForCausalLM`` (any device, dtype or accelerate placement) in eval mode;
-    ``tokenizer``: the model's tokenizer (needed for text prompts only).
+    ``model``: a ``*ForCausalLM`` (any device, dtype or accelerate placement) in eval mode, or
+    an nnsight ``LanguageModel`` / TransformerLens ``TransformerBridge`` over one (the Hugging
+    Face model inside is used; a bridge's forward is checked to be the model's);
+    ``tokenizer``: the model's tokenizer (needed for text prompts only; a wrapper's own is
+    taken where none is given).
 
     >>> import ropestep, ropestep.archzoo as zoo
     >>> lab = ropestep.attach(zoo.build("llama"))
     >>> lab.layers
     (0, 1)
     """
-    if not _is_model(model):
-        raise ApiError(f"attach() needs a Hugging Face causal LM (a torch module with a config "
-                       f"and input embeddings), got {type(model).__name__}")
+    model, tokenizer, via = _unwrap(model, tokenizer)
     if model.training:
         raise ApiError(f"{models.structure.model_name(model)} is in training mode (dropout): "
                        "call model.eval() first")
     with _eager(model):
         info = models.describe_model(model)
-    return Attached(model, tokenizer, info)
+    out = Attached(model, tokenizer, info)
+    out.via = via
+    return out
 
 
 def load(source: str, *, gguf: str | None = None, revision: str | None = None,
@@ -143,6 +232,7 @@ class Attached:
         self.model = model
         self.tokenizer = tokenizer
         self.info = info
+        self.via: str | None = None  # the wrapper it was attached through (nnsight, ...)
 
     @property
     def layers(self) -> tuple[int, ...]:

@@ -275,3 +275,45 @@ def test_public_names_and_doctests():
     assert ropestep.attach is api.attach and ropestep.load is api.load
     res = doctest.testmod(api, verbose=False)
     assert res.failed == 0 and res.attempted >= 2
+
+
+def test_nnsight_and_transformer_lens_wrappers(tmp_path):
+    """An nnsight LanguageModel and a TransformerLens TransformerBridge over a tiny Llama: the
+    Hugging Face model inside is attached (the wrapper's tokenizer taken), and gives what the
+    model itself gives; a bridge whose forward is not its model's is refused."""
+    nnsight = pytest.importorskip("nnsight")
+    tl_bridge = pytest.importorskip("transformer_lens.model_bridge")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    d = archzoo.save("llama", tmp_path / "llama")
+    model = AutoModelForCausalLM.from_pretrained(d, attn_implementation="eager").eval()
+    tok = AutoTokenizer.from_pretrained(d)
+    direct = api.attach(model, tok).run("abc abd abe", layers=1)[1].step(2, -1)
+    lm = nnsight.LanguageModel(model, tokenizer=tok)
+    lab = api.attach(lm)
+    assert lab.model is model and lab.tokenizer is tok and lab.via == "nnsight"
+    st = lab.run("abc abd abe", layers=1)[1].step(2, -1)
+    assert torch.equal(st.delta_m, direct.delta_m) and st.passed
+    br = tl_bridge.TransformerBridge.boot_transformers(str(d), hf_model=model, tokenizer=tok,
+                                                       device="cpu")
+    # the bridge rebuilds the model's modules in place: the model is mapped back from them
+    lab = api.attach(br)
+    assert lab.via == "TransformerLens" and type(lab.model) is type(model)
+    assert torch.equal(lab.run("abc abd abe", layers=1)[1].step(2, -1).delta_m, direct.delta_m)
+    br.enable_compatibility_mode()  # folded, centred weights: the same function, accepted
+    assert api.attach(br).run("abc abd abe", layers=1)[1].step(2, -1).passed
+    other = archzoo.build("llama", seed=3)  # a bridge whose model is not the one it runs
+
+    class Swapped(torch.nn.Module):
+        __module__ = "transformer_lens.fake"
+
+        def __init__(self):
+            super().__init__()
+            self.original_model = other
+
+        def forward(self, ids):
+            return model(ids).logits
+
+    with pytest.raises(api.ApiError, match="the wrapper's forward differs from its Hugging "
+                                           "Face model's"):
+        api.attach(Swapped())
