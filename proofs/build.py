@@ -17,6 +17,7 @@ only outputs that really changed.
 
     python proofs/build.py                 # build and execute all notebooks
     python proofs/build.py 02 gauges       # only notebooks whose name contains one of these
+    python proofs/build.py tutorial        # docs/tutorial.ipynb from docs/src/tutorial.py
     python proofs/build.py --check         # exit 1 if a committed notebook is out of date
     python proofs/build.py --no-execute    # write the notebooks without outputs
 """
@@ -32,6 +33,7 @@ import nbformat
 
 HERE = Path(__file__).resolve().parent
 SRC = HERE / "src"
+DOCS_SRC = HERE.parent / "docs" / "src"  # the tutorial(s): docs/src/NAME.py -> docs/NAME.ipynb
 KERNEL = "python3"
 TIMEOUT = 300  # seconds per cell
 
@@ -43,8 +45,14 @@ def sources() -> list[Path]:
     return sorted(p for p in SRC.glob("[0-9][0-9]_*.py"))
 
 
+def tutorial_sources() -> list[Path]:
+    """The tutorial sources (``docs/src/*.py``), built the same way into ``docs/``."""
+    return sorted(DOCS_SRC.glob("[a-z]*.py"))
+
+
 def notebook_path(src: Path) -> Path:
-    return HERE / (src.stem + ".ipynb")
+    """``proofs/src/NN_name.py -> proofs/NN_name.ipynb``, ``docs/src/x.py -> docs/x.ipynb``."""
+    return src.parent.parent / (src.stem + ".ipynb")
 
 
 def parse_cells(src: Path) -> list[tuple[str, str]]:
@@ -65,7 +73,7 @@ def parse_cells(src: Path) -> list[tuple[str, str]]:
                 kind, buf = "markdown", []
             elif rest.startswith("include "):
                 name = rest.split(None, 1)[1].strip()
-                cells.append(("code", (SRC / name).read_text().splitlines()))
+                cells.append(("code", (src.parent / name).read_text().splitlines()))
                 kind, buf = None, []
             elif rest == "":
                 kind, buf = "code", []
@@ -112,15 +120,17 @@ def make_notebook(src: Path) -> nbformat.NotebookNode:
     return nb
 
 
-def execute(nb: nbformat.NotebookNode, timeout: int = TIMEOUT) -> nbformat.NotebookNode:
-    """Run every cell in a fresh ``python3`` kernel with ``proofs/`` as the working directory.
+def execute(nb: nbformat.NotebookNode, timeout: int = TIMEOUT, cwd: Path = HERE
+            ) -> nbformat.NotebookNode:
+    """Run every cell in a fresh ``python3`` kernel with ``cwd`` (``proofs/``, or ``docs/`` for
+    the tutorial) as the working directory.
 
     Raises ``nbclient.exceptions.CellExecutionError`` on the first failing cell.
     """
     from nbclient import NotebookClient
 
     client = NotebookClient(nb, timeout=timeout, kernel_name=KERNEL, record_timing=False,
-                            resources={"metadata": {"path": str(HERE)}})
+                            resources={"metadata": {"path": str(cwd)}})
     client.execute()
     return nb
 
@@ -150,7 +160,7 @@ def build(src: Path, run: bool = True, timeout: int = TIMEOUT) -> float:
     t0 = time.perf_counter()
     try:
         if run:
-            execute(nb, timeout)
+            execute(nb, timeout, notebook_path(src).parent)
     finally:  # a failing notebook is written too, with the traceback in its outputs
         nbformat.validate(nb)
         nbformat.write(nb, notebook_path(src))
@@ -164,7 +174,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-execute", action="store_true", help="write the notebooks without outputs")
     ap.add_argument("--timeout", type=int, default=TIMEOUT, help="seconds per cell")
     args = ap.parse_args(argv)
-    todo = [s for s in sources() if not args.names or any(n in s.stem for n in args.names)]
+    todo = [s for s in sources() + tutorial_sources()
+            if not args.names or any(n in s.stem for n in args.names)]
     if not todo:
         print("no notebook sources matched", file=sys.stderr)
         return 2

@@ -250,7 +250,8 @@ class Attached:
 
     def __repr__(self) -> str:
         i = self.info
-        return (f"Attached({i.name}: {i.n_layers} layers, {len(self.layers)} softmax, "
+        name = i.name.rstrip("/").rsplit("/", 1)[-1]  # a path's last part: portable output
+        return (f"Attached({name}: {i.n_layers} layers, {len(self.layers)} softmax, "
                 f"{i.n_heads} heads, {i.n_kv_heads} KV heads, head_dim {i.head_dim})")
 
     def _layer(self, layer: Any) -> int:
@@ -324,7 +325,13 @@ class Attached:
         return Run(self, ids, pos, {L: LayerRun(self, caps[L]) for L in Ls})
 
     def runs(self, prompts: Sequence[Any], **kw: Any) -> list["Run"]:
-        """:meth:`run` on each prompt of a batch (one batch-1 forward each)."""
+        """:meth:`run` on each prompt of a batch (one batch-1 forward each).
+
+        >>> import torch, ropestep, ropestep.archzoo as zoo
+        >>> lab = ropestep.attach(zoo.build("llama"))
+        >>> [r.ids.numel() for r in lab.runs([torch.arange(5), torch.arange(7)], layers=0)]
+        [5, 7]
+        """
         if isinstance(prompts, str):
             raise ApiError("runs() takes a list of prompts; use run() for one")
         return [self.run(p, **kw) for p in prompts]
@@ -522,7 +529,13 @@ class LayerCheck:
                 for h in range(H) for i in range(n)]
 
     def to_pandas(self, per: str = "head") -> Any:
-        """:meth:`rows` as a pandas DataFrame (pandas is an optional dependency)."""
+        """:meth:`rows` as a pandas DataFrame (pandas is in the ``notebook`` extra).
+
+        >>> import torch, ropestep, ropestep.archzoo as zoo
+        >>> lr = ropestep.attach(zoo.build("llama")).run(torch.arange(12), layers=1)[1]
+        >>> lr.check(anchor_every=4).to_pandas("query").shape[0]  # heads x queries
+        48
+        """
         try:
             import pandas as pd
         except ImportError:  # pragma: no cover - depends on the environment
@@ -725,7 +738,13 @@ class LayerRun:
     def delta_m(self, head: int, query: int = -1) -> torch.Tensor:
         """``Delta M_i`` of one head and query, ``(m+1, r)`` float64 (input space; a head whose
         score is not affine in ``u`` raises :class:`ApiError` with the reason -- use
-        :meth:`step`, whose ``delta_m`` is then the query-space step)."""
+        :meth:`step`, whose ``delta_m`` is then the query-space step).
+
+        >>> import torch, ropestep, ropestep.archzoo as zoo
+        >>> lr = ropestep.attach(zoo.build("llama")).run(torch.arange(12), layers=1)[1]
+        >>> tuple(lr.delta_m(head=0, query=-1).shape)  # (m+1, r)
+        (129, 32)
+        """
         if not self.spec.affine:
             raise ApiError(f"layer {self.layer}: Delta M_i in input space is "
                            f"{self.input_space_reason}")
@@ -820,6 +839,11 @@ class LayerRun:
         central difference of the model's own attention, with its derived tolerance, and the
         anchor that this float64 composition reproduces the captured head outputs
         (:func:`ropestep.realchecks.position_derivative`; its result dict, ``"ok"`` the verdict).
+
+        >>> import torch, ropestep, ropestep.archzoo as zoo
+        >>> lr = ropestep.attach(zoo.build("llama")).run(torch.arange(12), layers=1)[1]
+        >>> lr.position_derivative([5, 11])["ok"]
+        True
         """
         from . import realchecks
 
