@@ -320,7 +320,7 @@ class Attached:
                            f"(max_position_embeddings {ctx})")
         with _eager(self.model):
             info = models.describe_model(self.model)
-            caps = models.capture(self.model, ids, Ls, position_ids=pos)
+            caps = models.capture(self.model, ids, Ls, position_ids=pos, write=False)
         self.info = info
         return Run(self, ids, pos, {L: LayerRun(self, caps[L]) for L in Ls})
 

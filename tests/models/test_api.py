@@ -317,3 +317,26 @@ def test_nnsight_and_transformer_lens_wrappers(tmp_path):
     with pytest.raises(api.ApiError, match="the wrapper's forward differs from its Hugging "
                                            "Face model's"):
         api.attach(Swapped())
+
+
+def test_offloaded_model_gives_the_in_memory_step(tmp_path):
+    """A model placed by accelerate's device_map with a third of its weights' size as the CPU
+    budget (the rest offloaded to disk): attach, run and step read each layer through the
+    offload hooks and give the in-memory model's numbers, bit for bit."""
+    pytest.importorskip("accelerate")
+    from ropestep import models
+
+    d = archzoo.save("llama", tmp_path / "llama")
+    size = sum(f.stat().st_size for f in d.glob("*.safetensors"))
+    whole = api.attach(*models.load_model(str(d)))
+    off_model, tok = models.load_model(str(d), device_map="auto",
+                                       max_memory={"cpu": size // 3},
+                                       offload_folder=str(tmp_path / "off"))
+    assert "disk" in set(getattr(off_model, "hf_device_map", {}).values())
+    off = api.attach(off_model, tok)
+    a = whole.run(_ids(), layers=[0, 1])
+    b = off.run(_ids(), layers=[0, 1])
+    for L in (0, 1):
+        sa, sb = a[L].step(3, -1), b[L].step(3, -1)
+        assert torch.equal(sa.delta_m, sb.delta_m) and torch.equal(sa.native, sb.native)
+        assert sb.passed

@@ -31,29 +31,43 @@ def same_model_tol(model, n_tokens: int) -> float:
                                                       info.hidden + inter)
 
 
-def _load(monkeypatch, root, **env):
+def _load(monkeypatch, root, **kw):
     monkeypatch.setenv("ROPESTEP_CACHE", str(root))
-    for k, v in env.items():
-        monkeypatch.setenv(k, v)
     t0 = time.perf_counter()
-    m, tok = models.load_model(models.locate_smollm2_gguf())
+    m, tok = models.load_model(models.locate_smollm2_gguf(), **kw)
     return m, tok, time.perf_counter() - t0
 
 
-def test_second_load_reads_the_cache_and_is_the_same_model(monkeypatch, tmp_path):
-    m1, tok1, t1 = _load(monkeypatch, tmp_path)
-    dirs = list((tmp_path / "gguf").iterdir())
-    assert len(dirs) == 1 and (dirs[0] / models.CACHE_MARKER).is_file()
-    sha = sha256_file(models.locate_smollm2_gguf())
-    assert dirs[0].name.startswith(sha)
+def test_the_cache_round_trip_is_the_same_model_and_the_ggufs_tokenizer(monkeypatch, tmp_path):
+    """One de-quantisation, three loads.  The first (straight from the GGUF, weights only:
+    ``tokenizer=False``) writes the cache, keyed by the file's sha256, without a tokenizer.  The
+    second reads the weights from the cache and asks for the tokenizer: it must get the GGUF's
+    own (it once got an empty one from the cache directory, which tokenised every text to no
+    tokens), and the cache then keeps it; the third reads both from the cache.  The cached
+    model is the first load's: every tensor equal, the same float64 forward within the bound
+    of another summation order, and faster to load."""
+    from transformers import AutoTokenizer
+
+    gguf = models.locate_smollm2_gguf()
+    m1, tok1, t1 = _load(monkeypatch, tmp_path, tokenizer=False)
+    assert tok1 is None
+    (cache,) = list((tmp_path / "gguf").iterdir())
+    assert (cache / models.CACHE_MARKER).is_file()
+    assert cache.name.startswith(sha256_file(gguf))
+    assert not (cache / "tokenizer_config.json").exists()
     m2, tok2, t2 = _load(monkeypatch, tmp_path)
+    assert (cache / "tokenizer_config.json").is_file()
+    _, tok3, _ = _load(monkeypatch, tmp_path)
+    ref = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)  # the GGUF's
+    text = "def f(x):\n    return x + 1\n"
+    want = ref(text)["input_ids"]
+    assert len(want) > 5
+    assert tok2(text)["input_ids"] == want and tok3(text)["input_ids"] == want
     print(f"first load {t1:.1f} s, cached load {t2:.1f} s")
     s1, s2 = m1.state_dict(), m2.state_dict()
     assert s1.keys() == s2.keys()
     assert all(torch.equal(s1[k], s2[k]) for k in s1)
-    text = "def f(x):\n    return x + 1\n"
-    assert tok1(text)["input_ids"] == tok2(text)["input_ids"]
-    ids = torch.tensor([tok1(text)["input_ids"]])
+    ids = torch.tensor([want])
     with torch.no_grad():  # in float64: the tolerance is then far below any change of model
         l1, l2 = m1.double()(ids).logits, m2.double()(ids).logits
     err = float((l1 - l2).abs().max() / l1.abs().max())
@@ -68,22 +82,3 @@ def test_cache_can_be_switched_off(monkeypatch, tmp_path):
     monkeypatch.setenv("ROPESTEP_GGUF_CACHE", "0")
     assert models.gguf_cache_root() is None
     assert models.gguf_cache_dir(models.locate_smollm2_gguf(), torch.float32) is None
-
-
-def test_a_cache_written_without_the_tokenizer_still_gives_the_ggufs_tokenizer(monkeypatch,
-                                                                               tmp_path):
-    """A first load with ``tokenizer=False`` caches the weights only; a later load that asks for
-    the tokenizer must get the GGUF's own (it used to get an empty one from the cache directory,
-    which tokenised every text to no tokens), and the cache then keeps it."""
-    monkeypatch.setenv("ROPESTEP_CACHE", str(tmp_path))
-    gguf = models.locate_smollm2_gguf()
-    models.load_model(gguf, tokenizer=False)
-    (cache,) = list((tmp_path / "gguf").iterdir())
-    assert not (cache / "tokenizer_config.json").exists()
-    _, tok = models.load_model(gguf)
-    monkeypatch.setenv("ROPESTEP_GGUF_CACHE", "0")
-    _, ref = models.load_model(gguf)  # straight from the GGUF
-    text = "def f(x):\n    return x + 1\n"
-    assert len(ref(text)["input_ids"]) > 5
-    assert tok(text)["input_ids"] == ref(text)["input_ids"]
-    assert (cache / "tokenizer_config.json").is_file()

@@ -38,8 +38,8 @@ class LayerCapture:
     heads: torch.Tensor  # (n, H, r)  per-head attention output (the attention function's)
     # (n, hidden) the output projection's output; where a norm or gate sits between the heads
     # and it (LayerConventions.output_direct False), the concatenated heads (n, H r): the write
-    # in head space, as layer_head's identity W_o takes it
-    o: torch.Tensor
+    # in head space, as layer_head's identity W_o takes it; None from capture(..., write=False)
+    o: torch.Tensor | None
     # (n, H): the model's own attention probability on each row's own key (the last key it
     # sees), from the eager attention's returned weights; only where requested
     self_mass: torch.Tensor | None = None
@@ -69,26 +69,28 @@ def _check_capture_model(model: Any) -> ModelInfo:
 
 
 @contextmanager
-def _hooks(model: Any, layers: Sequence[int], self_mass: bool = False) -> Iterator[dict]:
+def _hooks(model: Any, layers: Sequence[int], self_mass: bool = False,
+           write: bool = True) -> Iterator[dict]:
     """Record each layer's attention input ``hidden_states``, the heads' output as the attention
     function returns it (:func:`ropestep.models.probe.recording`: the output itself, not the
     output projection's input, which a norm or gate may have changed), the output projection's
     output and, with ``self_mass``, the attention's own probabilities on the last key (each
     query's own key in a single-token step); every hook is removed on exit."""
-    keep = ("hidden", "output", "o_out") + (("weights",) if self_mass else ())
+    keep = ("hidden", "output") + (("o_out",) if write else ()) + (
+        ("weights",) if self_mass else ())
     with recording(model, layers, keep=keep) as rec:
         yield rec
 
 
 def _take(rec: dict, info: ModelInfo, calls: int,
-          positions: torch.Tensor) -> dict[int, LayerCapture]:
+          positions: torch.Tensor, write: bool = True) -> dict[int, LayerCapture]:
     """Check that every layer's attention ran once per forward pass (its attention function
     and its output projection included), then stack the records per layer."""
     out = {}
     for L, rs in rec.items():
         H, r = info.n_heads, info.for_layer(L).r
         ok = [x for x in rs if x.kwargs.get("_seen") and x.hidden is not None
-              and x.output is not None and x.o_out is not None]
+              and x.output is not None and (x.o_out is not None or not write)]
         if len(rs) != calls or len(ok) != calls:
             raise CaptureError(
                 f"{info.name}: layer {L}'s attention ran {len(rs)} times ({len(ok)} complete: "
@@ -96,7 +98,9 @@ def _take(rec: dict, info: ModelInfo, calls: int,
         x = torch.cat([t.hidden.reshape(-1, t.hidden.shape[-1]) for t in rs]).cpu()
         hd = torch.cat([t.output.reshape(-1, H, r) for t in rs]).cpu()
         conv = info.layers[L] if info.layers else None
-        if conv is not None and not conv.output_direct:  # the write in head space (layer_head)
+        if not write:
+            o = None
+        elif conv is not None and not conv.output_direct:  # the write in head space (layer_head)
             o = hd.reshape(hd.shape[0], H * r).clone()
         else:
             o = torch.cat([t.o_out.reshape(-1, t.o_out.shape[-1]) for t in rs]).cpu()
@@ -104,7 +108,8 @@ def _take(rec: dict, info: ModelInfo, calls: int,
         if rs and rs[0].weights is not None:  # (B, H, q, N): the last key's probability
             sm = torch.cat([t.weights[..., -1].transpose(1, 2).reshape(-1, H)
                             for t in rs]).cpu()
-        if not (x.shape[0] == hd.shape[0] == o.shape[0] == positions.shape[0]) or (
+        if not (x.shape[0] == hd.shape[0] == (hd.shape[0] if o is None else o.shape[0])
+                == positions.shape[0]) or (
                 sm is not None and sm.shape[0] != x.shape[0]):
             raise CaptureError(f"{info.name}: layer {L} captured {x.shape[0]} rows, expected "
                                f"{positions.shape[0]}")
@@ -187,12 +192,14 @@ class _StopForward(Exception):
 
 
 def capture(model: Any, input_ids: Any, layers: int | Sequence[int], *,
-            position_ids: Any = None, stop_early: bool = True) -> dict[int, LayerCapture]:
+            position_ids: Any = None, stop_early: bool = True,
+            write: bool = True) -> dict[int, LayerCapture]:
     """One batch-1 eager forward pass over ``input_ids`` recording the requested layers.
 
     ``position_ids`` defaults to ``0..n-1``.  With ``stop_early`` the pass ends after the last
-    requested decoder layer (later layers cannot change what was recorded).  Raises if any hook
-    did not fire exactly once.
+    requested decoder layer (later layers cannot change what was recorded).  ``write=False``
+    keeps no output-projection output (``LayerCapture.o`` is None: a third less to hold when
+    only the heads are read).  Raises if any hook did not fire exactly once.
     """
     info = _check_capture_model(model)
     Ls = _layers(info, layers)
@@ -207,7 +214,7 @@ def capture(model: Any, input_ids: Any, layers: int | Sequence[int], *,
     def stop(mod: Any, args: Any, out: Any) -> None:
         raise _StopForward
 
-    with _hooks(model, Ls) as rec, torch.no_grad(), \
+    with _hooks(model, Ls, write=write) as rec, torch.no_grad(), \
             adapter_errors(info.name, "the capture's forward"):
         h = layer_modules(model)[Ls[-1]].register_forward_hook(stop) if stop_early else None
         try:
@@ -217,7 +224,7 @@ def capture(model: Any, input_ids: Any, layers: int | Sequence[int], *,
         finally:
             if h is not None:
                 h.remove()
-    return _take(rec, info, 1, pos)
+    return _take(rec, info, 1, pos, write)
 
 
 def capture_continuations(model: Any, prefix_ids: Any,
