@@ -82,3 +82,30 @@ def test_cache_can_be_switched_off(monkeypatch, tmp_path):
     monkeypatch.setenv("ROPESTEP_GGUF_CACHE", "0")
     assert models.gguf_cache_root() is None
     assert models.gguf_cache_dir(models.locate_smollm2_gguf(), torch.float32) is None
+
+
+def test_a_missing_entry_is_built_by_one_process_at_a_time(tmp_path):
+    """While one process holds a missing entry's lock (de-quantising), another process that
+    loads the same file waits for it, and finds the entry complete when it gets the lock; a
+    complete entry takes no lock at all."""
+    import subprocess
+    import sys
+
+    from ropestep.models import loading
+
+    entry = tmp_path / "gguf" / "0123-float32-tf"
+    code = ("import sys, time; from pathlib import Path; from ropestep.models import loading; "
+            "e = Path(sys.argv[1]); print('ready', flush=True); t = time.perf_counter()\n"
+            "with loading._cache_lock(e): print(time.perf_counter() - t, "
+            "(e / loading.CACHE_MARKER).is_file())")
+    with loading._cache_lock(entry):
+        p = subprocess.Popen([sys.executable, "-c", code, str(entry)], stdout=subprocess.PIPE,
+                             text=True)
+        assert p.stdout.readline().strip() == "ready"
+        time.sleep(3.0)  # the child is at the lock microseconds after "ready"
+        entry.mkdir(parents=True)
+        (entry / models.CACHE_MARKER).write_text("{}")
+    waited, complete = p.communicate(timeout=60)[0].split()
+    assert float(waited) >= 1.0 and complete == "True"
+    with loading._cache_lock(entry):  # complete: no lock file is opened
+        pass

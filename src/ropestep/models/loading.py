@@ -11,8 +11,9 @@ from __future__ import annotations
 import importlib.metadata
 import importlib.util
 import os
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -181,33 +182,37 @@ def load_model(source: str | os.PathLike, *, revision: str | None = None,
         # de-quantise once, whole, into the cache (transformers offloads no GGUF); then place it
         load_model(source, revision=revision, gguf_file=gguf_file, dtype=dtype, device="cpu",
                    tokenizer=tokenizer)
-    try:
-        if cached is not None and (cached / CACHE_MARKER).is_file():
-            # the de-quantised weights of this very file (same sha256, same transformers)
-            ckw = {k: v for k, v in mkw.items() if k != "gguf_file"}
-            if device_map is not None:  # the cache holds plain floats: no GGUF quantizer, which
-                # refuses a disk offload (the cached config still names the GGUF it came from)
-                ccfg = AutoConfig.from_pretrained(str(cached))
-                if getattr(ccfg, "quantization_config", None) is not None:
-                    del ccfg.quantization_config
-                ckw["config"] = ccfg
-            model = AutoModelForCausalLM.from_pretrained(str(cached), **ckw)
-            tok = None
-            if tokenizer and (cached / "tokenizer_config.json").is_file():
-                tok = AutoTokenizer.from_pretrained(str(cached))
-            elif tokenizer:  # cached by a load without its tokenizer: the GGUF's own, kept
-                tok = AutoTokenizer.from_pretrained(name, **kw)
-                try:
-                    tok.save_pretrained(cached)
-                except OSError:  # a read-only cache is an optimisation lost, never fatal
-                    pass
-        else:
-            model = _causal_lm_class(config).from_pretrained(name, **mkw)
-            tok = AutoTokenizer.from_pretrained(name, **kw) if tokenizer else None
-            if cached is not None:
-                _write_gguf_cache(model, tok, cached, Path(name) / gguf)
-    except Exception as err:
-        raise _load_error(src, err, is_local) from None
+    # one de-quantisation per file: a second process (a test worker) waits for the first's
+    # cache instead of de-quantising the same file at the same time
+    with _cache_lock(cached):
+        try:
+            if cached is not None and (cached / CACHE_MARKER).is_file():
+                # the de-quantised weights of this very file (same sha256, same transformers)
+                ckw = {k: v for k, v in mkw.items() if k != "gguf_file"}
+                if device_map is not None:  # the cache holds plain floats: no GGUF
+                    # quantizer, which refuses a disk offload (the cached config still names
+                    # the GGUF it came from)
+                    ccfg = AutoConfig.from_pretrained(str(cached))
+                    if getattr(ccfg, "quantization_config", None) is not None:
+                        del ccfg.quantization_config
+                    ckw["config"] = ccfg
+                model = AutoModelForCausalLM.from_pretrained(str(cached), **ckw)
+                tok = None
+                if tokenizer and (cached / "tokenizer_config.json").is_file():
+                    tok = AutoTokenizer.from_pretrained(str(cached))
+                elif tokenizer:  # cached by a load without its tokenizer: the GGUF's own, kept
+                    tok = AutoTokenizer.from_pretrained(name, **kw)
+                    try:
+                        tok.save_pretrained(cached)
+                    except OSError:  # a read-only cache is an optimisation lost, never fatal
+                        pass
+            else:
+                model = _causal_lm_class(config).from_pretrained(name, **mkw)
+                tok = AutoTokenizer.from_pretrained(name, **kw) if tokenizer else None
+                if cached is not None:
+                    _write_gguf_cache(model, tok, cached, Path(name) / gguf)
+        except Exception as err:
+            raise _load_error(src, err, is_local) from None
     if device_map is None:
         model = model.to(device)
     if gguf is not None:  # name the file, not its directory, in later messages
@@ -399,6 +404,30 @@ def gguf_cache_dir(gguf_path: Path, dtype: torch.dtype) -> Path | None:
 
     key = f"{sha256_file(gguf_path)}-{str(dtype).replace('torch.', '')}-tf{transformers.__version__}"
     return root / key
+
+
+@contextmanager
+def _cache_lock(cached: Path | None) -> Iterator[None]:
+    """An exclusive inter-process lock on one cache entry while it is missing (POSIX ``flock``
+    on ``.<entry>.lock`` beside it), so that processes loading the same GGUF at once de-quantise
+    it once: the others wait, then read the cache.  Without a cache, an existing entry, ``fcntl``
+    or a writable cache directory: no lock (a cache is an optimisation, never a failure)."""
+    if cached is None or (cached / CACHE_MARKER).is_file():
+        yield
+        return
+    try:
+        import fcntl
+
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        fh = open(cached.parent / f".{cached.name}.lock", "w")
+    except (ImportError, OSError):
+        yield
+        return
+    try:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        yield
+    finally:
+        fh.close()  # releases the lock
 
 
 def _write_gguf_cache(model: Any, tok: Any, cached: Path, gguf_path: Path) -> None:
