@@ -53,7 +53,7 @@ import numpy as np
 import torch
 
 from . import atlas, fast, models, tolerances
-from .kernel import augment
+from .kernel import augment, transform
 from .realchecks import one_head
 from .spec import HeadSpec, HeadWeights, first_permitted
 
@@ -72,6 +72,35 @@ class VerdictError(AssertionError):
 
 
 # ---------------------------------------------------------------------------------------------
+# argument checks
+# ---------------------------------------------------------------------------------------------
+def _int(x: Any, what: str) -> int:
+    """One integer (Python, numpy or a one-element integer tensor), else :class:`ApiError`."""
+    if torch.is_tensor(x) and x.numel() == 1 and not x.dtype.is_floating_point and \
+            not x.dtype.is_complex and x.dtype != torch.bool:
+        return int(x.item())
+    if isinstance(x, (bool, np.bool_)) or not isinstance(x, (int, np.integer)):
+        raise ApiError(f"{what} is an int, got {x!r}")
+    return int(x)
+
+
+def _ints(xs: Any, what: str) -> list[int]:
+    """Integers from one integer or a sequence / 1-D integer tensor or array of them (``what``:
+    the singular noun, "layer", "query")."""
+    if torch.is_tensor(xs) or isinstance(xs, np.ndarray):
+        t = torch.as_tensor(xs)
+        if t.ndim > 1:
+            raise ApiError(f"the {what} indices must be one int or a 1-D sequence, got shape "
+                           f"{tuple(t.shape)}")
+        return [_int(v, f"a {what}") for v in t.reshape(-1)]
+    if isinstance(xs, (int, np.integer)) and not isinstance(xs, (bool, np.bool_)):
+        return [int(xs)]
+    if isinstance(xs, (str, bytes)) or not hasattr(xs, "__iter__"):
+        raise ApiError(f"the {what} indices must be one int or a sequence of ints, got {xs!r}")
+    return [_int(v, f"a {what}") for v in xs]
+
+
+# ---------------------------------------------------------------------------------------------
 # attaching to a model
 # ---------------------------------------------------------------------------------------------
 @contextmanager
@@ -87,6 +116,10 @@ def _eager(model: Any) -> Iterator[None]:
                        "attn_implementation='eager'")
     model.set_attn_implementation("eager")
     try:
+        if getattr(model.config, "_attn_implementation", None) != "eager":
+            raise ApiError(f"{models.structure.model_name(model)} uses attention implementation "
+                           f"{impl!r} and did not switch to 'eager'; load it with "
+                           "attn_implementation='eager'")
         yield
     finally:
         model.set_attn_implementation(impl)
@@ -111,8 +144,13 @@ def _unwrap(obj: Any, tokenizer: Any) -> tuple[Any, Any, str | None]:
     ``LanguageModel`` (its own module object: the wrapper's forward is the model's, hooks aside)
     or a TransformerLens ``TransformerBridge`` (``original_model``, checked against the bridge's
     own forward: :data:`WRAPPER_LOGPROB_REL`)."""
+    inner = getattr(obj, "_orig_mod", None)  # torch.compile's wrapper: the module inside
+    if isinstance(obj, torch.nn.Module) and _is_model(inner):
+        obj = inner
     top = type(obj).__module__.split(".")[0]  # (a bridge has a config and embeddings too)
     if _is_model(obj) and top not in ("nnsight", "transformer_lens"):
+        if any(BRIDGED in k for k in obj.state_dict()):  # rebuilt in place by a bridge
+            return _from_bridge(obj), tokenizer, "TransformerLens (rebuilt in place)"
         return obj, tokenizer, None
     if top == "nnsight":
         inner = vars(obj).get("_module")
@@ -199,6 +237,11 @@ def attach(model: Any, tokenizer: Any = None) -> "Attached":
     (0, 1)
     """
     model, tokenizer, via = _unwrap(model, tokenizer)
+    params = list(model.parameters())
+    if params and all(p.is_meta for p in params) and not any(
+            hasattr(m, "_hf_hook") for m in model.modules()):
+        raise ApiError(f"{models.structure.model_name(model)}: its weights are not loaded (every "
+                       "parameter is on the meta device, without an offload hook)")
     if model.training:
         raise ApiError(f"{models.structure.model_name(model)} is in training mode (dropout): "
                        "call model.eval() first")
@@ -214,7 +257,12 @@ def load(source: str, *, gguf: str | None = None, revision: str | None = None,
          ) -> "Attached":
     """Load a model (hub id, local directory or ``.gguf`` file, as the commands do:
     :func:`ropestep.models.load_model`) with its tokenizer and attach to it.  ``"smollm2"`` is
-    the packaged SmolLM2-135M GGUF."""
+    the packaged SmolLM2-135M-Instruct GGUF (Q4_1, de-quantised)."""
+    import os
+
+    if not isinstance(source, (str, os.PathLike)):
+        raise ApiError(f"load() takes a hub id, a directory or a GGUF path, got {source!r}")
+    source = os.fspath(source)
     if source.lower() == "smollm2":
         if gguf is not None:
             raise ApiError("gguf= cannot be combined with 'smollm2' (the alias names the "
@@ -255,9 +303,7 @@ class Attached:
                 f"{i.n_heads} heads, {i.n_kv_heads} KV heads, head_dim {i.head_dim})")
 
     def _layer(self, layer: Any) -> int:
-        if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)):
-            raise ApiError(f"a layer is an int, got {layer!r}")
-        L = int(layer)
+        L = _int(layer, "a layer")
         n = self.info.n_layers
         if L < 0:
             L += n
@@ -278,8 +324,14 @@ class Attached:
             ids = self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
             ids = torch.as_tensor(ids, dtype=torch.long)
         else:
-            ids = torch.as_tensor(prompt)
-            if ids.dtype.is_floating_point or ids.dtype == torch.bool:
+            if hasattr(prompt, "keys") and "input_ids" in prompt.keys():  # a tokenizer's output
+                prompt = prompt["input_ids"]
+            try:
+                ids = torch.as_tensor(prompt)
+            except (TypeError, ValueError, RuntimeError):
+                raise ApiError(f"a prompt is a text or token ids, got {type(prompt).__name__}"
+                               ) from None
+            if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
                 raise ApiError(f"token ids must be integers, got {ids.dtype}")
             ids = ids.long()
         if ids.ndim == 2 and ids.shape[0] == 1:
@@ -296,6 +348,8 @@ class Attached:
     def run(self, prompt: Any, *, layers: Any = "all", positions: Any = None) -> "Run":
         """One eager forward over ``prompt`` (text or token ids), keeping ``layers`` (``"all"``
         softmax layers, an int, or a list); ``positions`` default to ``0..n-1``."""
+        if self.model.training:
+            raise ApiError(f"{self.info.name} is in training mode (dropout): call model.eval()")
         ids = self.encode(prompt)
         n = int(ids.numel())
         if isinstance(layers, str):
@@ -303,15 +357,15 @@ class Attached:
                 raise ApiError(f"layers must be 'all', an int or a list of ints, got {layers!r}")
             Ls = list(self.layers)
         else:
-            Ls = sorted({self._layer(L) for L in ([layers] if isinstance(
-                layers, (int, np.integer)) else list(layers))})
+            Ls = sorted({self._layer(L) for L in _ints(layers, "layer")})
         if not Ls:
             raise ApiError("no layers requested")
-        pos = torch.arange(n) if positions is None else torch.as_tensor(positions).long().reshape(-1)
-        if tuple(pos.shape) != (n,):
-            raise ApiError(f"positions has shape {tuple(pos.shape)} for {n} tokens")
-        if n > 1 and bool((pos.diff() < 0).any()) or int(pos.min()) < 0:
-            raise ApiError("positions must be non-negative and non-decreasing")
+        pos = torch.arange(n) if positions is None else self._positions(positions, n)
+        chunked = [L for L in Ls if self.info.layers[L].chunk is not None]
+        if chunked and int(pos[0]) != 0:
+            raise ApiError(f"layer {chunked[0]} attends in chunks, which transformers counts "
+                           "from the first token, not from its position: positions must start "
+                           "at 0 on this model")
         top = int(pos.max()) + 1
         ctx = getattr(getattr(self.model.config, "get_text_config", lambda: self.model.config)(),
                       "max_position_embeddings", None)
@@ -322,7 +376,28 @@ class Attached:
             info = models.describe_model(self.model)
             caps = models.capture(self.model, ids, Ls, position_ids=pos, write=False)
         self.info = info
-        return Run(self, ids, pos, {L: LayerRun(self, caps[L]) for L in Ls})
+        return Run(self, ids, pos, {L: LayerRun(self, caps[L], _weights_state(self.model, L))
+                                    for L in Ls})
+
+    @staticmethod
+    def _positions(positions: Any, n: int) -> torch.Tensor:
+        """Consecutive integer positions ``p0, p0+1, ...`` (``p0 >= 0``): transformers starts a
+        new packed sequence wherever position ids do not step by one, so any other sequence
+        would make the model read other keys than a causal prefix."""
+        try:
+            pos = torch.as_tensor(positions)
+        except (TypeError, ValueError, RuntimeError):
+            raise ApiError(f"positions must be integers, got {positions!r}") from None
+        if pos.dtype.is_floating_point or pos.dtype.is_complex or pos.dtype == torch.bool:
+            raise ApiError(f"positions must be integers, got {pos.dtype}")
+        pos = pos.long().reshape(-1)
+        if tuple(pos.shape) != (n,):
+            raise ApiError(f"positions has shape {tuple(pos.shape)} for {n} tokens")
+        if int(pos[0]) < 0 or not torch.equal(pos, pos[0] + torch.arange(n)):
+            raise ApiError("positions must be consecutive and non-negative (p0, p0+1, ...): "
+                           "transformers treats any other step as the start of a new packed "
+                           "sequence")
+        return pos
 
     def runs(self, prompts: Sequence[Any], **kw: Any) -> list["Run"]:
         """:meth:`run` on each prompt of a batch (one batch-1 forward each).
@@ -332,7 +407,7 @@ class Attached:
         >>> [r.ids.numel() for r in lab.runs([torch.arange(5), torch.arange(7)], layers=0)]
         [5, 7]
         """
-        if isinstance(prompts, str):
+        if isinstance(prompts, str) or not isinstance(prompts, Sequence):
             raise ApiError("runs() takes a list of prompts; use run() for one")
         return [self.run(p, **kw) for p in prompts]
 
@@ -464,6 +539,7 @@ class ReuseResult:
     y: torch.Tensor  # (Q, r)
     error: torch.Tensor  # (Q,) |y_i - frozen_i| (2-norm over the value dims)
     relative_error: torch.Tensor  # (Q,) error / |y_i - mu_i|
+    mean_error: torch.Tensor | None = None  # (Q,) |y_i - mu_i|: what the relative error divides by
     const_error: torch.Tensor | None = None  # (Q,) |y_i - y_a| (at="own")
     tv: torch.Tensor | None = None  # (Q,) (at="own")
     tokenwise: torch.Tensor | None = None  # (Q, r) the error's tokenwise formula (at="anchor")
@@ -474,7 +550,8 @@ class ReuseResult:
         for k in range(int(self.queries.numel())):
             row = {"layer": self.layer, "head": self.head, "anchor": self.anchor, "at": self.at,
                    "query": int(self.queries[k]), "distance": int(self.distance[k]),
-                   "error": float(self.error[k]), "relative_error": float(self.relative_error[k])}
+                   "error": float(self.error[k]), "relative_error": float(self.relative_error[k]),
+                   "mean_error": float(self.mean_error[k])}
             if self.tv is not None:
                 row["tv"] = float(self.tv[k])
                 row["const_error"] = float(self.const_error[k])
@@ -543,6 +620,14 @@ class LayerCheck:
         return pd.DataFrame(self.rows(per))
 
 
+def _weights_state(model: Any, layer: int) -> tuple:
+    """What identifies the attention weights of ``layer`` as they are now: each parameter's
+    storage and in-place version counter (any edit bumps it)."""
+    attn = models.structure.attention_module(
+        models.structure.layer_modules(model)[layer], models.structure.model_name(model), layer)
+    return tuple((n, p.data_ptr(), p._version) for n, p in attn.named_parameters())
+
+
 def _flatten(d: dict, prefix: str, out: dict) -> None:
     for k, v in d.items():
         key = f"{prefix}{k}"
@@ -556,8 +641,9 @@ class LayerRun:
     """One layer of one prompt: the captured head input and the model's own head outputs, and
     the identity's objects computed from them on request (module docstring)."""
 
-    def __init__(self, attached: Attached, cap: Any) -> None:
+    def __init__(self, attached: Attached, cap: Any, state: tuple = ()) -> None:
         self.attached = attached
+        self._state = state  # the layer's weights when the prompt ran (_weights_state)
         self.layer = int(cap.layer)
         self.positions = cap.positions  # (n,) int64
         self.x = cap.x  # (n, m) the model's dtype
@@ -571,6 +657,10 @@ class LayerRun:
     def head_description(self) -> tuple[HeadSpec, HeadWeights]:
         """``(spec, weights)`` of the layer in the math layout, float64 (built once)."""
         if self._spec is None:
+            if self._state and _weights_state(self.attached.model, self.layer) != self._state:
+                raise ApiError(f"layer {self.layer}'s weights changed since this prompt ran: "
+                               "run it again (the captured inputs and outputs are the old "
+                               "weights')")
             n_pos = int(self.positions.max()) + 1
             with _eager(self.attached.model):
                 self._spec = models.layer_head(self.attached.model, self.layer, n_pos,
@@ -612,18 +702,16 @@ class LayerRun:
 
     def _head(self, head: Any) -> int:
         H = self.attached.info.n_heads
-        if isinstance(head, bool) or not isinstance(head, (int, np.integer)):
-            raise ApiError(f"a head is an int, got {head!r}")
-        h = int(head) + (H if int(head) < 0 else 0)
+        h = _int(head, "a head")
+        h += H if h < 0 else 0
         if not 0 <= h < H:
             raise ApiError(f"head {head} out of range: layer {self.layer} has {H} heads "
                            f"(valid: 0..{H - 1})")
         return h
 
     def _query(self, query: Any) -> int:
-        if isinstance(query, bool) or not isinstance(query, (int, np.integer)):
-            raise ApiError(f"a query is an int (a token index of the prompt), got {query!r}")
-        i = int(query) + (self.n if int(query) < 0 else 0)
+        i = _int(query, "a query (a token index of the prompt)")
+        i += self.n if i < 0 else 0
         if not 0 <= i < self.n:
             raise ApiError(f"query {query} out of range: the prompt has {self.n} tokens "
                            f"(valid: 0..{self.n - 1})")
@@ -677,13 +765,12 @@ class LayerRun:
         nk = int(keys.numel())
         s_row = st.s[hh, 0, :nk]
         sinks = spec.sinks is not None
-        z = s_row if spec.softcap is None else spec.softcap * torch.tanh(s_row / spec.softcap)
-        if sinks:
-            sk = torch.tensor([spec.sinks[h]], dtype=F64)
-            p_all = torch.softmax(torch.cat((z, sk)), -1)
+        if sinks:  # the sink's logit as one more score, transformed as the kernel does
+            p_all = torch.softmax(transform(torch.cat((s_row, torch.tensor(
+                [spec.sinks[h]], dtype=F64))), spec.softcap), -1)
             p_row, sink_w = p_all[:nk], float(p_all[-1])
         else:
-            p_row, sink_w = torch.softmax(z, -1), None
+            p_row, sink_w = torch.softmax(transform(s_row, spec.softcap), -1), None
         if affine:
             u = augment(self.x[i:i + 1].to(F64))[0]
             dm = st.delta_m[hh, 0]
@@ -696,13 +783,14 @@ class LayerRun:
         sc = self._scales(h)
         kap = float(st.kappa[hh, 0])
         smax = float(s_row.abs().max())
-        npre = nk + int(sinks)
+        npre = nk + int(sinks)  # the keys the readout sums (as the atlas's id_bound)
         d, m = spec.head_dim, int(self.x.shape[1])
         id_bound = max(float(tolerances.readout_bound(F64, kap, npre, d, smax)),
                        tolerances.FLOAT64_REL) * sc["vscale"]
         mdt = self.x.dtype
+        ncausal = i + 1 + int(sinks)  # the model's sums run over the causal row (as the atlas)
         nat_bound = float(tolerances.model_dtype_native_bound(
-            mdt if mdt != F64 else torch.float32, np.array([kap]), np.array([npre]), d, m,
+            mdt if mdt != F64 else torch.float32, np.array([kap]), np.array([ncausal]), d, m,
             np.array([smax]), np.array([sc["qk_max"]]), sc["vscale"], sc["nscale"],
             arith=F64)[0])
         lam: dict = {}
@@ -760,8 +848,7 @@ class LayerRun:
         if queries is None:
             qs = list(range(a + 1, self.n))
         else:
-            qs = [self._query(q) for q in (queries if not isinstance(queries, (int, np.integer))
-                                           else [queries])]
+            qs = [self._query(q) for q in _ints(queries, "query")]
         if not qs:
             raise ApiError(f"no queries to reuse anchor {a}'s matrix for")
         if at not in ("own", "anchor"):
@@ -780,10 +867,12 @@ class LayerRun:
             fr = fast.frozen_reuse(st, anchor=0, bound=True)
             err = fr.error[hh, 1:]
             base = (st.y[hh, 1:] - st.mu[hh, 1:]).norm(dim=-1)
+            # the bound: ||u_i|| ||dM_i - dM_a||_op, or its query-space form (docs/math.md
+            # section 8) where the score is not affine in u
+            bnd = fr.bound if fr.bound is not None else fast.reuse_bound(st, 0)
             return ReuseResult(self.layer, h, a, at, qi, dist, fr.frozen[hh, 1:], st.y[hh, 1:],
-                               err.norm(dim=-1), err.norm(dim=-1) / base,
-                               tokenwise=fr.tokenwise[hh, 1:],
-                               bound=None if fr.bound is None else fr.bound[hh, 1:])
+                               err.norm(dim=-1), err.norm(dim=-1) / base, mean_error=base,
+                               tokenwise=fr.tokenwise[hh, 1:], bound=bnd[hh, 1:])
         # own positions: the anchor's T_a, mu_a, b_a; query i's effective query at p_a
         top = int(max(qs + [a])) + 1
         ka = self._keys(a)
@@ -806,8 +895,9 @@ class LayerRun:
                                _causal(self.spec, self.positions[a:a + 1], self.positions[:top]),
                                h)
         err = (y - frozen).norm(dim=-1)
-        return ReuseResult(self.layer, h, a, at, qi, dist, frozen, y, err,
-                           err / (y - mu).norm(dim=-1),
+        base = (y - mu).norm(dim=-1)
+        return ReuseResult(self.layer, h, a, at, qi, dist, frozen, y, err, err / base,
+                           mean_error=base,
                            const_error=(y - sa.y[hh, 0]).norm(dim=-1),
                            tv=0.5 * (rows_p - pa_row).abs().sum(-1))
 
@@ -818,12 +908,20 @@ class LayerRun:
         :func:`~ropestep.atlas.summarise_layer` -- the numbers and verdict ``ropestep atlas``
         gives on these tokens.  ``dtype``: the low-precision pass's dtype (default: the model's,
         float32 for a float64 model)."""
-        if isinstance(anchor_every, bool) or not isinstance(anchor_every, int) or anchor_every < 1:
+        if _int(anchor_every, "anchor_every") < 1:
             raise ApiError(f"anchor_every must be a positive int, got {anchor_every!r}")
+        anchor_every = int(anchor_every)
+        if device is not None:
+            from .verdict import device_problem
+
+            why = device_problem(device)
+            if why is not None:
+                raise ApiError(why.replace("--device", "device"))
         lp = dtype if dtype is not None else (self.x.dtype if self.x.dtype != F64
                                               else torch.float32)
         if lp not in (torch.float32, torch.bfloat16, torch.float16):
-            raise ApiError(f"dtype must be float32, bfloat16 or float16, got {lp}")
+            raise ApiError(f"dtype must be a torch.dtype: torch.float32, torch.bfloat16 or "
+                           f"torch.float16, got {lp!r}")
         key = (anchor_every, lp, str(device))
         if key not in self._check:
             spec, w = self.head_description
@@ -847,10 +945,18 @@ class LayerRun:
         """
         from . import realchecks
 
-        qs = [self._query(q) for q in queries]
+        qs = [self._query(q) for q in _ints(queries, "query")]
         if not qs:
             raise ApiError("no queries given")
-        with _eager(self.attached.model):
+        if self.spec.family == "latent" or self.spec.norm_after_rope:
+            raise ApiError(f"layer {self.layer}: the position derivative against the model's "
+                           "attention is not defined here (its formulas assume the rotation "
+                           "acts last on a plain or QK-normed projection; docs/math.md "
+                           "sections 5 and 13)")
+        if self.attached.model.training:
+            raise ApiError("the model is in training mode (dropout): call model.eval()")
+        with _eager(self.attached.model), models.errors.adapter_errors(
+                self.attached.info.name, f"the position derivative of layer {self.layer}"):
             return realchecks.position_derivative(
                 self.attached.model, self.layer, self.x, self.positions, qs, heads=self.native,
                 head=self.head_description)
@@ -907,8 +1013,13 @@ def plot_reuse(r: ReuseResult, ax: Any = None) -> Any:
 def plot_lambda(check: LayerCheck, ax: Any = None, space: str = "query") -> Any:
     """``lambda_max`` of every head and query of a layer (:meth:`LayerRun.check`), with the
     line ``lambda_max = 2`` above which the unit step can overshoot."""
-    ax = _axes(ax)
+    if space not in ("query", "input"):
+        raise ApiError(f"space must be 'query' or 'input', got {space!r}")
     arr = check.result.arrays["lam_query" if space == "query" else "lam_input"]
+    if not np.isfinite(arr).any():
+        why = check.summary.get("descent") or check.summary.get("input_space") or "no values"
+        raise ApiError(f"layer {check.layer}: lambda_max in {space} space is {why}")
+    ax = _axes(ax)
     H = arr.shape[0]
     for h in range(H):
         ax.semilogy(np.full(arr.shape[1], h), arr[h], ".", ms=2)

@@ -247,18 +247,32 @@ def test_bad_input(llama, llama_run):
         (lambda: llama.run(torch.tensor([1.0, 2.0])), "token ids must be integers"),
         (lambda: llama.run(torch.tensor([1, 999])), "token id 999 out of range"),
         (lambda: llama.run(_ids(), positions=[0] * 5), r"positions has shape \(5,\) for 24"),
-        (lambda: llama.run(_ids(3), positions=[2, 1, 3]), "non-decreasing"),
-        (lambda: llama.run(_ids(3), positions=[0, 1, 10 ** 7]), "beyond the model's context"),
+        (lambda: llama.run(_ids(3), positions=[2, 1, 3]), "positions must be consecutive"),
+        (lambda: llama.run(_ids(3), positions=[0, 1, 1]), "positions must be consecutive"),
+        (lambda: llama.run(_ids(3), positions=[0, 1, 5]), "new packed sequence"),
+        (lambda: llama.run(_ids(3), positions=[0.5, 1.5, 2.5]), "positions must be integers"),
+        (lambda: llama.run(_ids(3), positions="abc"), "positions must be integers"),
+        (lambda: llama.run(_ids(3), positions=[10 ** 7 + k for k in range(3)]),
+         "beyond the model's context"),
+        (lambda: llama.run(_ids(), layers=None), "the layer indices must be one int or a sequence"),
+        (lambda: llama.run(_ids(), layers=1.0), "the layer indices must be one int or a sequence"),
+        (lambda: llama.run(None), "a prompt is a text or token ids"),
+        (lambda: llama.run(torch.tensor([1 + 1j])), "token ids must be integers"),
+        (lambda: llama.runs(None), "runs\\(\\) takes a list"),
+        (lambda: lr.position_derivative(5.0), "the query indices must be one int"),
+        (lambda: lr.check(device="foo"), "device must be 'cpu' or 'cuda"),
+        (lambda: lr.check(dtype="float32"), "dtype must be a torch.dtype"),
+        (lambda: api.load(5), "load\\(\\) takes a hub id"),
         (lambda: llama.run(_ids(), layers="some"), "layers must be 'all'"),
         (lambda: llama_run[0], r"layer 0 was not kept by this run \(kept: \[1\]\)"),
         (lambda: lr.step(4, 0), "head 4 out of range: layer 1 has 4 heads"),
         (lambda: lr.step(0, N), f"query {N} out of range: the prompt has {N} tokens"),
-        (lambda: lr.step(0, 1.5), "a query is an int"),
+        (lambda: lr.step(0, 1.5), r"a query \(a token index of the prompt\) is an int"),
         (lambda: lr.step(0, 1, gauge="pairwise"), "gauge must be 'original' or 'maxkey'"),
         (lambda: lr.reuse(0, N - 1), "no queries to reuse"),
         (lambda: lr.reuse(0, 1, at="elsewhere"), "at must be 'own' or 'anchor'"),
         (lambda: lr.check(anchor_every=0), "anchor_every must be a positive int"),
-        (lambda: lr.check(dtype=torch.float64), "dtype must be float32, bfloat16 or float16"),
+        (lambda: lr.check(dtype=torch.float64), "dtype must be a torch.dtype: torch.float32"),
         (lambda: api.attach(torch.nn.Linear(2, 2)), "attach\\(\\) needs a Hugging Face"),
         (lambda: llama.runs("one string"), "runs\\(\\) takes a list"),
     ]
@@ -269,6 +283,68 @@ def test_bad_input(llama, llama_run):
     m.train()
     with pytest.raises(api.ApiError, match="training mode"):
         api.attach(m)
+    lab = api.attach(m.eval())
+    m.train()  # after attach: the run says so too
+    with pytest.raises(api.ApiError, match="training mode"):
+        lab.run(_ids())
+    m.eval()
+    # integer tensors and numpy integers are indices too
+    st = lr.step(torch.tensor(1), np.int64(5))
+    assert (st.head, st.query) == (1, 5)
+    assert lr.reuse(0, 3, torch.tensor([5, 6])).queries.tolist() == [5, 6]
+    # a compiled model is attached through the module inside; weights not loaded are refused
+    assert api.attach(torch.compile(m)).model is m
+    with torch.device("meta"):
+        meta = type(m)(m.config)
+    with pytest.raises(api.ApiError, match="its weights are not loaded"):
+        api.attach(meta)
+    # a tokenizer's output is a prompt
+    assert api.attach(m).encode({"input_ids": torch.tensor([[1, 2, 3]])}).tolist() == [1, 2, 3]
+
+
+def test_positions_offset_and_weights_edited_after_the_run():
+    """Consecutive positions from p0 > 0 give the model's own keys (the oracle agrees); a
+    chunked model refuses an offset (transformers counts chunks from the first token); weights
+    edited after the run are refused, never mixed with the capture."""
+    lab = api.attach(archzoo.build("llama"))
+    lr = lab.run(_ids(), layers=1, positions=torch.arange(N) + 5)[1]
+    assert lr.step(2, 7).keys.tolist() == list(range(8))
+    _against_oracle(lr, [(2, 7)])
+    lr.check(anchor_every=8).assert_passed()
+    assert lr.position_derivative([3, N - 1])["ok"]
+    from ropestep import census
+
+    l4 = api.attach(census.build("llama4_text"))
+    L = next(L for L in l4.layers if l4.conventions(L).chunk is not None)
+    with pytest.raises(api.ApiError, match="positions must start at 0 on this model"):
+        l4.run(_ids(40), layers=L, positions=torch.arange(40) + 5)
+    m = archzoo.build("llama")
+    lab = api.attach(m)
+    run = lab.run(_ids(), layers=[0, 1])
+    run[0].step(0, 3)  # layer 0 read before the edit: it keeps the weights it was run with
+    with torch.no_grad():
+        m.model.layers[1].self_attn.v_proj.weight.mul_(3.0)
+    with pytest.raises(api.ApiError, match="layer 1's weights changed since this prompt ran"):
+        run[1].reuse(0, 5, [10, 15])
+    run[0].step(0, 3).assert_passed()
+    lab.run(_ids(), layers=1)[1].step(0, 10).assert_passed()  # a new run reads the new weights
+
+
+def test_query_space_reuse_bound_and_refusals():
+    lr = api.attach(archzoo.build("qwen3")).run(_ids(), layers=1)[1]
+    ra = lr.reuse(1, 4, [6, 11], at="anchor")
+    assert ra.bound is not None and bool((ra.error <= ra.bound * (1 + 1e-9)).all())
+    ro = lr.reuse(1, 4)
+    assert torch.allclose(ro.relative_error * ro.mean_error, ro.error, rtol=1e-12)
+    ds = api.attach(archzoo.build("deepseek_v3")).run(_ids(), layers=1)[1]
+    with pytest.raises(api.ApiError, match="the position derivative .* is not defined here"):
+        ds.position_derivative([3])
+    ds.step(0, -1).assert_passed()
+    g2 = api.attach(archzoo.build("gemma2")).run(_ids(), layers=1)[1]  # soft-capped
+    with pytest.raises(api.ApiError, match="lambda_max in query space is not defined"):
+        api.plot_lambda(g2.check(anchor_every=8))
+    with pytest.raises(api.ApiError, match="space must be 'query' or 'input'"):
+        api.plot_lambda(g2.check(anchor_every=8), space="foo")
 
 
 def test_public_names_and_doctests():
