@@ -495,6 +495,11 @@ class HeadStep:
     not_defined: dict = field(default_factory=dict)  # statistic -> why it does not exist here
 
     @property
+    def self_mass(self) -> float:
+        """The attention weight on the query's own key (the last key it reads)."""
+        return float(self.softmax[-1])
+
+    @property
     def failures(self) -> list[str]:
         out = []
         for name, e, b in (("identity", self.identity_error, self.identity_bound),

@@ -86,6 +86,7 @@ def test_step_against_the_oracle_input_space(llama_run):
     st = lr.step(3, 7)
     assert tuple(st.delta_m.shape) == (lr.x.shape[1] + 1, lr.spec.r)
     assert set(st.lambda_max) == {"query", "input"} and set(st.descends) == {"query", "input"}
+    assert st.keys[-1] == 7 and st.self_mass == float(st.softmax[-1])
 
 
 def test_step_against_the_oracle_query_space(qwen3_run):
@@ -348,7 +349,10 @@ def test_query_space_reuse_bound_and_refusals():
 
 
 def test_public_names_and_doctests():
+    from pathlib import Path
+
     assert ropestep.attach is api.attach and ropestep.load is api.load
+    assert (Path(api.__file__).parent / "py.typed").is_file()  # type hints are public
     res = doctest.testmod(api, verbose=False)
     assert res.failed == 0 and res.attempted >= 2
 
