@@ -178,3 +178,25 @@ def test_no_citation_of_documents_outside_the_repository():
     problems = _scan(outside_citations)
     print("\n".join(problems))
     assert not problems, f"{len(problems)} citation(s) of documents outside the repository"
+
+
+def test_contributing_names_tests_that_exist():
+    """Every ``tests/<file>.py::<name>`` that CONTRIBUTING.md names (the table of checks and
+    their planted errors) is a test function of that file; ``::name`` continues the previous
+    file, ``{a,b}`` expands, ``*`` and ``[param]`` match a prefix."""
+    text = (ROOT / "CONTRIBUTING.md").read_text()
+    refs = re.findall(r"`(tests/[\w/]+\.py)?::([\w{},*\[\] .-]+)`", text)
+    assert len(refs) >= 20
+    missing, current = [], None
+    for path, name in refs:
+        current = path or current
+        src = (ROOT / current).read_text()
+        defs = set(re.findall(r"^def (test_\w+)", src, re.M))
+        base = name.split("[")[0]
+        m = re.match(r"(.*)\{(.*)\}(.*)", base)
+        names = [m.group(1) + x + m.group(3) for x in m.group(2).split(",")] if m else [base]
+        for n in names:
+            ok = any(d.startswith(n.rstrip("*")) for d in defs) if n.endswith("*") else n in defs
+            if not ok:
+                missing.append(f"{current}::{n}")
+    assert not missing, missing

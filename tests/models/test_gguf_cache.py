@@ -51,7 +51,7 @@ def test_the_cache_round_trip_is_the_same_model_and_the_ggufs_tokenizer(monkeypa
     gguf = models.locate_smollm2_gguf()
     m1, tok1, t1 = _load(monkeypatch, tmp_path, tokenizer=False)
     assert tok1 is None
-    (cache,) = list((tmp_path / "gguf").iterdir())
+    (cache,) = [p for p in (tmp_path / "gguf").iterdir() if p.is_dir()]  # (and its lock file)
     assert (cache / models.CACHE_MARKER).is_file()
     assert cache.name.startswith(sha256_file(gguf))
     assert not (cache / "tokenizer_config.json").exists()
