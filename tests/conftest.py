@@ -40,24 +40,9 @@ def one_thread():
     torch.set_num_threads(n)
 
 
-# The files that hold the longest tests (measured on a cold 2-core machine: CONTRIBUTING.md,
-# "Test time") run first, each in its own order: two workers then share the long tests from the
-# start and finish together on the many short ones, instead of one worker running a long test
-# alone at the end.  Only the order changes (module fixtures are still built once per file).
-LONG_FIRST = ("tests/test_tutorial.py", "tests/test_verdicts.py", "tests/test_protocol.py",
-              "tests/test_distributed.py", "tests/models/test_gguf_cache.py",
-              "tests/test_reference_validate.py", "tests/test_resume.py",
-              "tests/test_fast_vs_exact.py", "tests/test_reference_atlas.py",
-              "tests/test_reference_positional.py", "tests/test_atlas_model.py",
-              "tests/test_notebooks.py")
-
-
 def pytest_collection_modifyitems(config, items):
-    """The long files first (:data:`LONG_FIRST`); ``@pytest.mark.cuda`` tests run wherever a
-    CUDA device is present and are skipped, with the reason, where none is (this machine, CI)."""
-    rank = {f: k for k, f in enumerate(LONG_FIRST)}
-    order = {id(it): n for n, it in enumerate(items)}
-    items.sort(key=lambda it: (rank.get(it.nodeid.split("::")[0], len(rank)), order[id(it)]))
+    """``@pytest.mark.cuda`` tests run wherever a CUDA device is present and are skipped,
+    with the reason, where none is (this machine, CI)."""
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device (none present)")
