@@ -7,6 +7,8 @@
 Threads: ``ROPESTEP_TEST_THREADS=N`` runs every test with N torch intra-op threads, including
 those that otherwise pin one (``one_thread``), so a test whose result depends on how a kernel
 splits its work over threads shows it (tools/blas_paths.py runs the suite with 1 and 2).
+Without it, an xdist worker takes its share of the cores (2 cores, 2 workers: one thread each,
+passed on to the commands and kernels it launches through OMP_NUM_THREADS/MKL_NUM_THREADS).
 """
 import os
 import sys
@@ -29,6 +31,15 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 _THREADS = os.environ.get("ROPESTEP_TEST_THREADS")
 if _THREADS:
     torch.set_num_threads(int(_THREADS))
+elif os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    # under xdist: the cores shared out among the workers, for their subprocesses and notebook
+    # kernels too (two workers of two intra-op threads each, plus the commands they launch,
+    # oversubscribe two cores: each test then runs several times slower than alone)
+    _cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    _share = max(1, (_cores or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))
+    torch.set_num_threads(_share)
+    for _var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        os.environ.setdefault(_var, str(_share))
 
 
 @pytest.fixture
