@@ -30,26 +30,15 @@ import torch
 
 from ropestep import atlas, exact, heads
 from ropestep.spec import HeadSpec, HeadWeights, RoPESpec, causal_mask
+from test_atlas import N as _ATLAS_N
+from test_atlas import layer as _layer  # the small causal GQA layer of tests/test_atlas.py
 
 # ---------------------------------------------------------------------------------------------
 # atlas
 # ---------------------------------------------------------------------------------------------
-N, ANCHOR, LAYER = 11, 4, 3
+N, ANCHOR, LAYER = _ATLAS_N, 4, 3
 ATLAS_CHECKS = ("identity_float64", "float64_vs_native", "float64_original_gauge_vs_native",
                 "model_dtype_vs_native", "finite")
-
-
-def _layer(seed: int = 0, H: int = 4, Hk: int = 2, d: int = 4, m: int = 5, amp: float = 0.9):
-    """A small causal GQA layer (tests/test_atlas.py's shape): spec, weights, inputs."""
-    g = torch.Generator().manual_seed(seed)
-
-    def rnd(*s, std=1.0):
-        return torch.randn(*s, generator=g, dtype=torch.float64) * std
-
-    spec = HeadSpec(H, Hk, d, rope=RoPESpec(base=100.0))
-    w = HeadWeights(rnd(m, H, d, std=amp), rnd(m, Hk, d, std=amp), rnd(m, Hk, d),
-                    rnd(H, d, std=0.5), rnd(Hk, d, std=0.5), rnd(Hk, d, std=0.3))
-    return spec, w, rnd(N, m)
 
 
 @pytest.fixture(scope="module")

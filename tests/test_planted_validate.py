@@ -290,6 +290,34 @@ def _offset(ref: torch.Tensor) -> torch.Tensor:
     return OUTSIDE * (atol + rtol * ref.abs().amax((1, 2), keepdim=True))
 
 
+def _plant_frozen_reuse(monkeypatch, change) -> list:
+    """``fast.frozen_reuse`` wrapped: ``change(st, reuse) -> (planted reuse, delta)``; returns
+    the list the deltas are appended to, one per call."""
+    orig = fast.frozen_reuse
+    deltas: list = []
+
+    def planted(st, anchor=0, bound=True):
+        ru, d = change(st, orig(st, anchor, bound))
+        deltas.append(d)
+        return ru
+
+    monkeypatch.setattr(fast, "frozen_reuse", planted)
+    return deltas
+
+
+def _reuse_planted(monkeypatch, change, tiny_dir, clean, out, capsys, check) -> tuple:
+    """Validate with ``fast.frozen_reuse`` planted (:func:`_plant_frozen_reuse`): only ``check``
+    fails, at context 0, nothing non-finite; returns the per-context calibration checks and the
+    largest planted offset."""
+    deltas = _plant_frozen_reuse(monkeypatch, change)
+    code, report, lines = _validate(tiny_dir, out, capsys)
+    assert len(deltas) == 1
+    _only(clean, code, report, lines, check, [_where(0)])
+    assert not _nonfinite(report)
+    pc, = report["layers"][str(LAYER)]["calibration"]["checks"]["per_context"]
+    return pc, float(deltas[0].max())
+
+
 def test_frozen_crosscheck_planted(tiny_dir, clean, tmp_path, capsys, monkeypatch):
     """Plants an offset ``delta`` (per head, ``OUTSIDE`` x the identity tolerance) on
     ``fast.frozen_reuse``'s frozen readout ``mu + u_i^T dM_0``, consistently: ``frozen += delta``,
@@ -298,22 +326,14 @@ def test_frozen_crosscheck_planted(tiny_dir, clean, tmp_path, capsys, monkeypatc
     ``tokenwise = error`` still hold, and ``||error||`` moves by ``|delta| ~ 1e-5``, far inside
     the loose reuse bound; only the cross-check against ``evaluate_layer``'s own
     ``mu + q_i T_0`` (``frozen_all[0]``) sees ``delta``."""
-    orig = fast.frozen_reuse
-    deltas: list = []
-
-    def shifted(st, anchor=0, bound=True):
-        ru = orig(st, anchor, bound)
+    def shifted(st, ru):
         d = _offset(ru.frozen)
-        deltas.append(d)
-        return replace(ru, frozen=ru.frozen + d, error=ru.error - d, tokenwise=ru.tokenwise - d)
+        return replace(ru, frozen=ru.frozen + d, error=ru.error - d,
+                       tokenwise=ru.tokenwise - d), d
 
-    monkeypatch.setattr(fast, "frozen_reuse", shifted)
-    code, report, lines = _validate(tiny_dir, tmp_path / "frozen", capsys)
-    assert len(deltas) == 1
-    _only(clean, code, report, lines, "frozen_crosscheck", [_where(0)])
-    assert not _nonfinite(report)
-    pc, = report["layers"][str(LAYER)]["calibration"]["checks"]["per_context"]
-    got, dmax = pc["frozen_crosscheck_max_abs"], float(deltas[0].max())
+    pc, dmax = _reuse_planted(monkeypatch, shifted, tiny_dir, clean, tmp_path / "frozen",
+                              capsys, "frozen_crosscheck")
+    got = pc["frozen_crosscheck_max_abs"]
     assert dmax * (1 - 1e-9) <= got <= dmax * (1 + 1e-6)  # the plant, to its own rounding
     assert pc["refresh_identity_pass"] and pc["tokenwise_rel"] == pytest.approx(
         clean["layers"][str(LAYER)]["calibration"]["checks"]["per_context"][0]["tokenwise_rel"],
@@ -326,22 +346,12 @@ def test_refresh_identity_planted(tiny_dir, clean, tmp_path, capsys, monkeypatch
     ``frozen + tokenwise`` with ``y`` and fails; the cross-check reads ``frozen`` (untouched),
     the bound and the calibration read ``error`` (untouched), and the tokenwise agreement
     ``max|tokenwise - error| / max|error|`` only fails when non-finite (it moves by ~1e-5)."""
-    orig = fast.frozen_reuse
-    deltas: list = []
-
-    def refreshed(st, anchor=0, bound=True):
-        ru = orig(st, anchor, bound)
+    def refreshed(st, ru):
         d = _offset(st.y)
-        deltas.append(d)
-        return replace(ru, tokenwise=ru.tokenwise + d)
+        return replace(ru, tokenwise=ru.tokenwise + d), d
 
-    monkeypatch.setattr(fast, "frozen_reuse", refreshed)
-    code, report, lines = _validate(tiny_dir, tmp_path / "refresh", capsys)
-    assert len(deltas) == 1
-    _only(clean, code, report, lines, "refresh_identity", [_where(0)])
-    assert not _nonfinite(report)
-    pc, = report["layers"][str(LAYER)]["calibration"]["checks"]["per_context"]
-    dmax = float(deltas[0].max())
+    pc, dmax = _reuse_planted(monkeypatch, refreshed, tiny_dir, clean, tmp_path / "refresh",
+                              capsys, "refresh_identity")
     assert pc["refresh_identity_max_abs"] >= 0.99 * dmax  # the plant, less the clean 1e-15
     assert pc["frozen_crosscheck_pass"] and pc["frozen_crosscheck_max_abs"] == 0.0
 

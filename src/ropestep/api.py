@@ -995,24 +995,28 @@ def _axes(ax: Any) -> Any:
     return plt.subplots(figsize=(5, 3.5))[1]
 
 
+def _points(ax: Any, plot: str, x: torch.Tensor, y: torch.Tensor, labels: tuple[str, str],
+            title: str) -> Any:
+    ax = _axes(ax)
+    getattr(ax, plot)(x.numpy(), y.numpy(), ".", ms=3)
+    ax.set_xlabel(labels[0])
+    ax.set_ylabel(labels[1])
+    ax.set_title(title)
+    return ax
+
+
 def plot_coefficients(st: HeadStep, ax: Any = None) -> Any:
     """``c_ij`` against the softmax weights of one step (log-log), one point per key."""
-    ax = _axes(ax)
-    ax.loglog(st.softmax.numpy(), st.c.numpy(), ".", ms=3)
-    ax.set_xlabel("softmax weight p_ij")
-    ax.set_ylabel("c_ij = phi_1(s_ij) / Z_i")
-    ax.set_title(f"layer {st.layer} head {st.head} query {st.query}")
-    return ax
+    return _points(ax, "loglog", st.softmax, st.c, ("softmax weight p_ij",
+                                                   "c_ij = phi_1(s_ij) / Z_i"),
+                   f"layer {st.layer} head {st.head} query {st.query}")
 
 
 def plot_reuse(r: ReuseResult, ax: Any = None) -> Any:
     """Relative frozen-reuse error against the distance to the anchor."""
-    ax = _axes(ax)
-    ax.semilogy(r.distance.numpy(), r.relative_error.numpy(), ".", ms=3)
-    ax.set_xlabel("distance to the anchor p_i - p_a")
-    ax.set_ylabel("|y_i - y_fr_i| / |y_i - mu_i|")
-    ax.set_title(f"layer {r.layer} head {r.head}, anchor {r.anchor} ({r.at})")
-    return ax
+    return _points(ax, "semilogy", r.distance, r.relative_error,
+                   ("distance to the anchor p_i - p_a", "|y_i - y_fr_i| / |y_i - mu_i|"),
+                   f"layer {r.layer} head {r.head}, anchor {r.anchor} ({r.at})")
 
 
 def plot_lambda(check: LayerCheck, ax: Any = None, space: str = "query") -> Any:
