@@ -770,12 +770,8 @@ class LayerRun:
         nk = int(keys.numel())
         s_row = st.s[hh, 0, :nk]
         sinks = spec.sinks is not None
-        if sinks:  # the sink's logit as one more score, transformed as the kernel does
-            p_all = torch.softmax(transform(torch.cat((s_row, torch.tensor(
-                [spec.sinks[h]], dtype=F64))), spec.softcap), -1)
-            p_row, sink_w = p_all[:nk], float(p_all[-1])
-        else:
-            p_row, sink_w = torch.softmax(transform(s_row, spec.softcap), -1), None
+        p_row, p_sink = _rows_softmax(spec, s_row, torch.ones(nk, dtype=torch.bool), h)
+        sink_w = None if p_sink is None else float(p_sink)
         if affine:
             u = augment(self.x[i:i + 1].to(F64))[0]
             dm = st.delta_m[hh, 0]
@@ -891,14 +887,12 @@ class LayerRun:
         st = fast.step(s1, w1, self.x[qi], self.positions[qi], self.x[:top],
                        self.positions[:top], "causal", dtype=F64, keep=("c",))
         y, mu = st.y[hh], st.mu[hh]
-        # attention rows (softmax of phi(s), the sink's share included) for the TV distance
-        Pa = fast.project(s1, w1, self.x[a:a + 1], self.positions[a:a + 1], self.x[:top],
-                          self.positions[:top], dtype=F64)
-        rows_p = _rows_softmax(self.spec, st.s[hh, :, :top], st.mask[:, :top], h)  # (sink column off)
-        pa_row = _rows_softmax(self.spec, (Pa.q[hh] @ Pa.k[hh].T)
-                               + (0 if Pa.beta is None else Pa.beta[hh]),
-                               _causal(self.spec, self.positions[a:a + 1], self.positions[:top]),
-                               h)
+        # attention rows (softmax of phi(s), the sink's share included) for the TV distance;
+        # the anchor's is its own step's row, placed on its keys among the first `top`
+        rows_p = _rows_softmax(self.spec, st.s[hh, :, :top], st.mask[:, :top], h)[0]  # (sink column off)
+        nka = int(ka.numel())
+        pa_row = torch.zeros(1, top, dtype=F64)
+        pa_row[:, ka] = _rows_softmax(self.spec, sa.s[hh, :, :nka], sa.mask[:, :nka], h)[0]
         err = (y - frozen).norm(dim=-1)
         base = (y - mu).norm(dim=-1)
         return ReuseResult(self.layer, h, a, at, qi, dist, frozen, y, err, err / base,
@@ -967,21 +961,16 @@ class LayerRun:
                 head=self.head_description)
 
 
-def _causal(spec: HeadSpec, pq: torch.Tensor, pk: torch.Tensor) -> torch.Tensor:
-    from .spec import resolve_mask
-
-    return torch.as_tensor(resolve_mask("causal", pq.numpy(), pk.numpy(), int(pq.numel()),
-                                        int(pk.numel()), spec.window, spec.chunk))
-
-
-def _rows_softmax(spec: HeadSpec, s: torch.Tensor, mask: torch.Tensor, h: int) -> torch.Tensor:
-    """Attention rows ``softmax(phi(s))`` over the permitted keys (the sink's share taken)."""
-    z = s if spec.softcap is None else spec.softcap * torch.tanh(s / spec.softcap)
-    z = z.masked_fill(~mask.to(z.device), -math.inf)
-    if spec.sinks is None:
-        return torch.softmax(z, -1)
-    sk = torch.full((*z.shape[:-1], 1), float(spec.sinks[h]), dtype=z.dtype)
-    return torch.softmax(torch.cat((z, sk), -1), -1)[..., :-1]
+def _rows_softmax(spec: HeadSpec, s: torch.Tensor, mask: torch.Tensor, h: int
+                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Attention rows ``softmax(phi(s))`` over the permitted keys and, with a sink, the sink's
+    share of each row (its logit one more score, transformed as the kernel transforms it)."""
+    z = s
+    if spec.sinks is not None:
+        z = torch.cat((z, torch.full((*z.shape[:-1], 1), float(spec.sinks[h]), dtype=z.dtype)), -1)
+        mask = torch.cat((mask, torch.ones(*mask.shape[:-1], 1, dtype=torch.bool)), -1)
+    p = torch.softmax(transform(z, spec.softcap).masked_fill(~mask.to(z.device), -math.inf), -1)
+    return (p, None) if spec.sinks is None else (p[..., :-1], p[..., -1])
 
 
 # ---------------------------------------------------------------------------------------------
