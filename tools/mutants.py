@@ -198,6 +198,7 @@ T_STATS = "tests/test_report_statistics.py"
 T_RC_NO_READOUT = (T_REALCHECKS
                    + "::test_no_global_readout_bound_recomputed_from_the_models_attention")
 T_RC_PLANTED = T_REALCHECKS + "::test_exact_rows_report_planted_relative_errors"
+T_PLANTED = "tests/test_planted_defaults.py"
 
 CORE = (T_MUT, T_F64)
 SCALE_FAST = (T_SCALE + "::test_against_exact_oracle", T_SCALE + "::test_matches_fast_step")
@@ -668,6 +669,41 @@ MUTANTS: tuple[Mutant, ...] = (
            "layout=\"interleaved\",",
            "Hugging Face rotate_half model described with interleaved RoPE pairs",
            tests=(T_KILLERS + "::test_kills_adapter_layout_and_tables",)),
+    # --- issue 42's held-out survivors: each now killed by tests/test_planted_defaults.py, which
+    # checks it against a hand-worked value or an independent computation -------------------------
+    Mutant("atlas-model-dtype-compares-y", "atlas.py",
+           "arr[\"lp_abs\"][hs[0]:hs[-1] + 1, ch.queries] = (ro - ref).abs().amax(-1)",
+           "arr[\"lp_abs\"][hs[0]:hs[-1] + 1, ch.queries] = (y - ref).abs().amax(-1)",
+           "the atlas's model-dtype pass compares the softmax output y with the model instead of "
+           "the readout mu + u^T dM (model_dtype_vs_native then checks nothing of the identity)",
+           tests=(T_PLANTED + "::test_model_dtype_pass_compares_the_readout",)),
+    Mutant("atlas-model-dtype-identity-zero", "atlas.py",
+           "arr[\"lp_id_abs\"][hs[0]:hs[-1] + 1, ch.queries] = (ro - y).abs().amax(-1)",
+           "arr[\"lp_id_abs\"][hs[0]:hs[-1] + 1, ch.queries] = 0.0 * (ro - y).abs().amax(-1)",
+           "the atlas's model-dtype identity error written as 0 (model_dtype_identity_rel)",
+           tests=(T_PLANTED + "::test_model_dtype_pass_compares_the_readout",)),
+    Mutant("scale-identity-rel-by-centred", "scale.py",
+           "rel = np.where(ymax > 0, mx / ymax, mx)",
+           "rel = np.where(dmax > 0, mx / dmax, mx)",
+           "the batched identity check's relative error divided by max|y - mu| instead of "
+           "max|y| (the number `ropestep bench` reports)",
+           tests=(T_PLANTED + "::test_identity_check_relative_errors_divide_by_their_own_scales",)),
+    Mutant("lowrank-tol-resolution", "lowrank.py",
+           "return 16.0 * float(torch.finfo(dtype).eps)",
+           "return 16.0 * float(torch.finfo(dtype).resolution)",
+           "the low-rank path's default tolerance from finfo.resolution (a power of ten) "
+           "instead of eps",
+           tests=(T_PLANTED + "::test_lowrank_default_tolerance_is_sixteen_units_of_roundoff",)),
+    Mutant("spec-cosine-temperature-d", "spec.py",
+           "return (math.sqrt(self.head_dim),) * self.n_heads",
+           "return (float(self.head_dim),) * self.n_heads",
+           "HeadSpec's default Cosine-RoPE temperature d instead of sqrt(d)",
+           tests=(T_PLANTED + "::test_cosine_default_temperature_is_sqrt_d",)),
+    Mutant("report-encode-through-float32", "verdict.py",
+           "        return encode(x.tolist())\n",
+           "        return encode(x.astype(np.float32).tolist())\n",
+           "the report encoder passes a tensor through float32 (a kappa of 1e198 written as inf)",
+           tests=(T_PLANTED + "::test_encoder_keeps_float64_tensors",)),
     # --- equivalent by design (kept to show the tool reports them, each with its reason) ----------
     Mutant("scale-centring-first-key", "scale.py",
            "kbar, vbar = k.mean(0), v.mean(0)",
