@@ -66,7 +66,7 @@ def test_an_injected_violation_breaks_a_contract(lint_available, tmp_path, modul
 
 
 FAST_LAYER = ("fast.py", "scale.py", "lowrank.py", "bench.py", "sweep.py", "protocol.py",
-              "reuse_stats.py", "atlas.py", "realchecks.py",
+              "reuse_stats.py", "atlas.py", "layercheck.py", "api.py", "realchecks.py",
               *sorted(str(p.relative_to(PKG)) for p in (PKG / "models").glob("*.py")))
 # the primitives c_ij is built from; calling the kernel's own coefficients()/pairwise_weights() is
 # the intended use and is not flagged

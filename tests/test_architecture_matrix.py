@@ -151,7 +151,7 @@ def test_query_space_reuse_is_the_input_space_reuse(monkeypatch):
     affine head, the input-space form ``u_i^T L_a`` of docs/math.md section 6: run one layer
     both ways and compare every reuse error (and check the input-space statistics are left out).
     """
-    from ropestep import atlas, scale
+    from ropestep import layercheck, scale
     from ropestep.spec import HeadSpec
 
     model = archzoo.build("llama")
@@ -161,7 +161,7 @@ def test_query_space_reuse_is_the_input_space_reuse(monkeypatch):
     spec, w = models.layer_head(model, 1, n)
     x, pos = cap.x.double(), torch.arange(n)
     kw = dict(layer=1, anchor_every=8)
-    ref = atlas.evaluate_layer(spec, w, x, pos, cap.heads, **kw)
+    ref = layercheck.evaluate_layer(spec, w, x, pos, cap.heads, **kw)
     real_project = scale.project_layer
 
     def no_lw(*a, **k):
@@ -171,7 +171,7 @@ def test_query_space_reuse_is_the_input_space_reuse(monkeypatch):
 
     monkeypatch.setattr(scale, "project_layer", no_lw)
     monkeypatch.setattr(HeadSpec, "affine", property(lambda self: False))
-    qs = atlas.evaluate_layer(spec, w, x, pos, cap.heads, **kw)
+    qs = layercheck.evaluate_layer(spec, w, x, pos, cap.heads, **kw)
     assert np.isnan(qs.arrays["lam_input"]).all()
     for key in ("reuse_frozen", "reuse_const", "reuse_mean", "tv"):
         a, b = ref.arrays[key], qs.arrays[key]

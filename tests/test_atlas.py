@@ -1,6 +1,6 @@
 """The atlas's per-query statistics against the mpmath oracle, and its native check's power.
 
-Every number :func:`ropestep.atlas.evaluate_layer` produces for a small causal layer is
+Every number :func:`ropestep.layercheck.evaluate_layer` produces for a small causal layer is
 recomputed from :mod:`ropestep.exact` (50 digits, its own features, coefficients and matrices):
 the identity, the input-space lambda_max (the paper's Hessian ``sum_j c_j a_j a_j^T``), the
 query-space lambda_max (``scale^2 sum_j c_j k~_j k~_j^T``), whether the unit step increases E in
@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import oracle
-from ropestep import atlas, exact, fast, scale, tolerances
+from ropestep import exact, layercheck, fast, scale, tolerances
 from ropestep.spec import HeadSpec, HeadWeights, RoPESpec, causal_mask
 
 N, ANCHOR = 11, 4
@@ -43,7 +43,7 @@ def case():
     pos = np.arange(N)
     E = exact.build(spec, w, x.numpy(), pos, x.numpy(), pos, causal_mask(pos, pos), dps=50)
     native = torch.as_tensor(exact.to_float(E.y)).permute(1, 0, 2)  # (N, H, r)
-    res = atlas.evaluate_layer(spec, w, x, torch.arange(N), native, anchor_every=ANCHOR)
+    res = layercheck.evaluate_layer(spec, w, x, torch.arange(N), native, anchor_every=ANCHOR)
     return spec, w, x, E, res
 
 
@@ -185,7 +185,7 @@ def test_frozen_reuse_and_tv_against_the_oracle(case):
 
 def test_summary_and_replication_statistic(case):
     spec, w, x, E, res = case
-    out = atlas.summarise_layer([res], spec, x.shape[1], N, torch.float32)
+    out = layercheck.summarise_layer([res], spec, x.shape[1], N, torch.float32)
     assert out["passed"], out
     h0 = out["heads"][0]
     fr, co = res.arrays["reuse_frozen"][0], res.arrays["reuse_const"][0]
@@ -196,7 +196,7 @@ def test_summary_and_replication_statistic(case):
     assert math.isclose(h0["reuse"]["rrmse_vs_constant_anchor"],
                         math.sqrt(fr[sel].sum() / co[sel].sum()),
                         rel_tol=2 * tolerances.nonnegative_ops_rel(n + 2))
-    rep = atlas.replication_style({0: [res.arrays["inc_query"][:, -1] > 0]},
+    rep = layercheck.replication_style({0: [res.arrays["inc_query"][:, -1] > 0]},
                                   {0: [res.arrays["lam_query"][:, -1]]})
     assert rep["pooled"]["heads"] == spec.n_heads
     assert rep["pooled"]["increase"] == int(res.arrays["inc_query"][:, -1].sum())
@@ -216,15 +216,15 @@ def test_capture_mutations_fail_the_native_comparison(case, monkeypatch):
     assert _native_rel(res) <= tol
     # the wrong layer's input (another layer's hidden states, same width)
     _, _, x_other = layer(seed=5)
-    wrong = atlas.evaluate_layer(spec, w, x_other, torch.arange(N), native, anchor_every=ANCHOR)
+    wrong = layercheck.evaluate_layer(spec, w, x_other, torch.arange(N), native, anchor_every=ANCHOR)
     # an off-by-one position: the model's output of token i compared at token i + 1
-    shifted = atlas.evaluate_layer(spec, w, x, torch.arange(N), torch.roll(native, 1, 0),
+    shifted = layercheck.evaluate_layer(spec, w, x, torch.arange(N), torch.roll(native, 1, 0),
                                    anchor_every=ANCHOR)
     # the bank excluding the query's own key
     monkeypatch.setattr(scale, "causal_chunk_mask",
                         lambda pos, qi, n, window=None, chunk=None:
                         pos[None, :n] < pos[qi][:, None] + (qi[:, None] == 0))
-    noself = atlas.evaluate_layer(spec, w, x, torch.arange(N), native, anchor_every=ANCHOR)
+    noself = layercheck.evaluate_layer(spec, w, x, torch.arange(N), native, anchor_every=ANCHOR)
     for name, r in (("wrong layer", wrong), ("off by one", shifted), ("no self", noself)):
         print(name, _native_rel(r), "tol", tol)
         assert _native_rel(r) > tolerances.NATIVE_DETECT_FACTOR * tol, name
@@ -236,16 +236,16 @@ def test_capture_mutations_fail_the_model_dtype_comparison(case):
     wrong capture (an off-by-one position, the wrong layer's input)."""
     spec, w, x, E, res = case
     m = x.shape[1]
-    ok = atlas.summarise_layer([res], spec, m, N, torch.float32)
+    ok = layercheck.summarise_layer([res], spec, m, N, torch.float32)
     assert all(h["checks"]["model_dtype_vs_native"] for h in ok["heads"])
     native = torch.as_tensor(exact.to_float(E.y)).permute(1, 0, 2)
     _, _, x_other = layer(seed=5)
     for name, r in (
-            ("off by one", atlas.evaluate_layer(spec, w, x, torch.arange(N),
+            ("off by one", layercheck.evaluate_layer(spec, w, x, torch.arange(N),
                                                 torch.roll(native, 1, 0), anchor_every=ANCHOR)),
-            ("wrong layer", atlas.evaluate_layer(spec, w, x_other, torch.arange(N), native,
+            ("wrong layer", layercheck.evaluate_layer(spec, w, x_other, torch.arange(N), native,
                                                  anchor_every=ANCHOR))):
-        out = atlas.summarise_layer([r], spec, m, N, torch.float32)
+        out = layercheck.summarise_layer([r], spec, m, N, torch.float32)
         ratios = [h["model_dtype_vs_native_bound_ratio_max"] for h in out["heads"]]
         print(name, ratios)
         assert not out["passed"] and max(ratios) > tolerances.NATIVE_DETECT_FACTOR, name

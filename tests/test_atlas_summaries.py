@@ -1,10 +1,10 @@
 """``atlas``'s statistics against the reference, from the captured layers, without a model.
 
 ``atlas.run`` captures each (context, layer) item's inputs with one forward of the model,
-measures it with :func:`ropestep.atlas.evaluate_layer` (the per-query arrays: the identity's and
+measures it with :func:`ropestep.layercheck.evaluate_layer` (the per-query arrays: the identity's and
 the readouts' errors against the model's own output and their bounds, kappa in both gauges, the
 sink mass, lambda_max and the unit step's test in both spaces, the frozen-reuse errors and the
-TV distances), and pools the items with :func:`ropestep.atlas.pool` (per-head summaries, the
+TV distances), and pools the items with :func:`ropestep.layercheck.pool` (per-head summaries, the
 replication-style count, the verdict's failures) and :func:`ropestep.atlas._cost` (the counted
 work).  ``tests/test_reference_atlas.py`` checks every leaf of a whole tiny run against the
 reference recomputation (``ropestep.reference.atlas``, written from docs/protocol.md alone).
@@ -37,7 +37,7 @@ import numpy as np
 import pytest
 import torch
 
-from ropestep import atlas, tolerances
+from ropestep import atlas, layercheck, tolerances
 from ropestep.report import dumps
 from ropestep.verdict import loads
 from reference_walk import decisions, frozen_run
@@ -53,7 +53,7 @@ def _generate(root: Path) -> dict:
     """The tiny run of test_reference_atlas, recording each item's inputs and the pooling's."""
     calls: dict[int, tuple] = {}
     seen: dict = {}
-    evaluate, pool = atlas.evaluate_layer, atlas.pool
+    evaluate, pool = layercheck.evaluate_layer, layercheck.pool
 
     def rec_evaluate(*args, **kwargs):
         res = evaluate(*args, **kwargs)
@@ -66,11 +66,11 @@ def _generate(root: Path) -> dict:
                     layers=list(layers), length=length, lp_dtype=lp_dtype)
         return pool(done, specs, layers, length, lp_dtype, replication_only)
 
-    atlas.evaluate_layer, atlas.pool = rec_evaluate, rec_pool
+    layercheck.evaluate_layer, layercheck.pool = rec_evaluate, rec_pool
     try:
         case = run_case(root, ["--model", str(build_model(root / "model")), *TINY_ARGS])
     finally:
-        atlas.evaluate_layer, atlas.pool = evaluate, pool
+        layercheck.evaluate_layer, layercheck.pool = evaluate, pool
     assert len(seen["items"]) == len(case.report["contexts"]) * len(case.report["layers"])
     return {**seen, "report": case.report, "ref": case.ref,
             "timers": case.report["timing_seconds"]}
@@ -85,7 +85,7 @@ def frozen(tmp_path_factory) -> dict:
 def measured(frozen) -> list:
     """Today's ``evaluate_layer`` on every frozen item: ``(context, layer, LayerResult)`` (the
     tests that plant a value copy what they change)."""
-    return [(c, L, atlas.evaluate_layer(*args, **kw)) for c, L, args, kw in frozen["items"]]
+    return [(c, L, layercheck.evaluate_layer(*args, **kw)) for c, L, args, kw in frozen["items"]]
 
 
 def pooled(frozen: dict, done: list, cost: bool = False) -> dict:
@@ -93,7 +93,7 @@ def pooled(frozen: dict, done: list, cost: bool = False) -> dict:
     with ``cost``, their counted work: that measures this machine's GEMM rates, ~1 s), read
     back as ``report.json`` is."""
     rep = loads(dumps(frozen["report"]))
-    layers, replication, failed = atlas.pool(done, frozen["specs"], frozen["layers"],
+    layers, replication, failed = layercheck.pool(done, frozen["specs"], frozen["layers"],
                                              frozen["length"], frozen["lp_dtype"])
     rep["layers"], rep["replication_style_descent"] = layers, replication
     rep["verdict"] = {"passed": not failed, "failed": failed}
@@ -208,7 +208,7 @@ def test_the_replication_count_takes_each_contexts_final_query(frozen, measured)
 
 def test_replication_only_pools_no_layers(frozen, measured):
     done = measured
-    layers, replication, failed = atlas.pool(done, frozen["specs"], frozen["layers"],
+    layers, replication, failed = layercheck.pool(done, frozen["specs"], frozen["layers"],
                                              frozen["length"], frozen["lp_dtype"], True)
     assert layers == {} and failed == []
     assert replication["pooled"]["heads"] == len(done) * frozen["specs"][0][0].n_heads
@@ -223,19 +223,17 @@ def test_the_file_is_one_run_of_the_reference_test(frozen):
 
 
 def test_replication_only_measures_what_the_full_run_measures(frozen, measured):
-    """``--replication-only`` measures the final query alone (``_final_query_only``): its
+    """``--replication-only`` measures the final query alone (``final_query_only``): its
     lambda_max and unit-step flag are the full measurement's at that query (which the first
     test checks against the reference), and nothing else is measured."""
-    from types import SimpleNamespace
-
-    cfg = SimpleNamespace(device="cpu", max_bytes=frozen["items"][0][3]["max_bytes"])
+    kw = {"device": "cpu", "max_bytes": frozen["items"][0][3]["max_bytes"]}
     (c0, L0, args0, kw0), = frozen["items"][:1]
     spec0, w0, x0, pos0, native0 = args0
     # the same on sparse positions (the analytic RoPE tables: the run's stop at its length),
     # where the queries' positions matter beyond their order
     sparse = replace(spec0, rope=replace(spec0.rope, cos=None, sin=None))
     pos3 = 3 * torch.as_tensor(pos0)
-    full3 = atlas.evaluate_layer(sparse, w0, x0, pos3, native0, **kw0)
+    full3 = layercheck.evaluate_layer(sparse, w0, x0, pos3, native0, **kw0)
     cases = [(L, args, full) for (c, L, args, _kw), (_c, _L, full) in zip(frozen["items"],
                                                                           measured)]
     cases.append((L0, (sparse, w0, x0, pos3), full3))
@@ -243,13 +241,11 @@ def test_replication_only_measures_what_the_full_run_measures(frozen, measured):
         spec, w, x, positions = args[:4]
         timers: dict = {}
         t0 = time.perf_counter()
-        got = atlas._final_query_only(spec, w, SimpleNamespace(x=x, positions=positions), L,
-                                      cfg, timers)
+        got = layercheck.final_query_only(spec, w, x, positions, L, timers=timers, **kw)
         spent = time.perf_counter() - t0
         assert got.layer == L and 0 < timers["replication_descent"] <= spent
         timers = {"replication_descent": 5.0}  # accumulated over the run's items
-        atlas._final_query_only(spec, w, SimpleNamespace(x=x, positions=positions), L, cfg,
-                                timers)
+        layercheck.final_query_only(spec, w, x, positions, L, timers=timers, **kw)
         assert 5.0 < timers["replication_descent"] <= 5.0 + 2 * spent + 1.0
         # the scales are placeholders (nothing of them is pooled) that keep the item savable
         H = spec.n_heads
@@ -262,7 +258,7 @@ def test_replication_only_measures_what_the_full_run_measures(frozen, measured):
         np.testing.assert_allclose(got.arrays["lam_query"][:, -1],
                                    full.arrays["lam_query"][:, -1],
                                    rtol=2 * tolerances.LAMBDA_CERT_REL, atol=0)
-        assert sorted(got.arrays) == sorted(atlas.PER_QUERY)
+        assert sorted(got.arrays) == sorted(layercheck.PER_QUERY)
         for k, v in got.arrays.items():
             rest = v if k not in ("inc_query", "lam_query") else v[:, :-1]
             assert np.isnan(rest).all(), k
@@ -280,7 +276,7 @@ def test_an_item_round_trips_through_the_run_directory(measured):
         assert meta == {"context": c, "layer": L, "errors": list(res.errors), "m": 64}
         back, m = atlas._result_from_arrays(arrays, meta)
         assert (m, back.layer, back.errors) == (64, L, res.errors)
-        assert sorted(back.arrays) == sorted(res.arrays) == sorted(atlas.PER_QUERY)
+        assert sorted(back.arrays) == sorted(res.arrays) == sorted(layercheck.PER_QUERY)
         for k, v in res.arrays.items():
             assert back.arrays[k].tobytes() == v.tobytes(), k
         for k in ("value_scale", "native_scale", "qk_max"):
@@ -386,7 +382,6 @@ def test_replication_only_with_three_heads_per_kv_head(family, Hk):
     """A seeded layer with three query heads per KV head, or one (and, for the Cosine family,
     one temperature per head): the replication-only measurement of every head's final query is
     the full measurement's."""
-    from types import SimpleNamespace
 
     from ropestep.spec import HeadSpec, HeadWeights, RoPESpec
 
@@ -401,10 +396,10 @@ def test_replication_only_with_three_heads_per_kv_head(family, Hk):
                     w_v=1e-3 * torch.randn(m, Hk, d, generator=g, dtype=torch.float64))
     x = torch.randn(n, m, generator=g, dtype=torch.float64)
     pos = torch.arange(n)
-    full = atlas.evaluate_layer(spec, w, x, pos, torch.zeros(n, H, d, dtype=torch.float64),
+    full = layercheck.evaluate_layer(spec, w, x, pos, torch.zeros(n, H, d, dtype=torch.float64),
                                 anchor_every=4)
-    got = atlas._final_query_only(spec, w, SimpleNamespace(x=x, positions=pos), 0,
-                                  SimpleNamespace(device="cpu", max_bytes=1 << 20), {})
+    got = layercheck.final_query_only(spec, w, x, pos, 0, device="cpu", max_bytes=1 << 20,
+                                      timers={})
     np.testing.assert_array_equal(got.arrays["inc_query"][:, -1], full.arrays["inc_query"][:, -1])
     np.testing.assert_allclose(got.arrays["lam_query"][:, -1], full.arrays["lam_query"][:, -1],
                                rtol=2 * tolerances.LAMBDA_CERT_REL, atol=0)
@@ -448,7 +443,7 @@ def test_frozen_reuse_against_the_per_query_api(family, softcap, window):
     spec, w, x = _seeded_layer(family, softcap=softcap, window=window)
     n, H = x.shape[0], spec.n_heads
     pos = 2 * torch.arange(n)
-    got = atlas.evaluate_layer(spec, w, x, pos, torch.zeros(n, H, spec.head_dim,
+    got = layercheck.evaluate_layer(spec, w, x, pos, torch.zeros(n, H, spec.head_dim,
                                                             dtype=torch.float64),
                                anchor_every=5)
     V = float(w.w_v.abs().max() * x.abs().sum(-1).max())  # bounds every |v_j|
@@ -503,7 +498,7 @@ def test_evaluate_layer_defaults_timers_and_refusal():
     native = torch.zeros(n, spec.n_heads, spec.head_dim, dtype=torch.float64)
     timers: dict = {}
     t0 = time.perf_counter()
-    res = atlas.evaluate_layer(spec, w, x, torch.arange(n), native, timers=timers)
+    res = layercheck.evaluate_layer(spec, w, x, torch.arange(n), native, timers=timers)
     spent = time.perf_counter() - t0
     assert res.layer == 0
     assert np.isnan(res.arrays["reuse_frozen"]).all(0).nonzero()[0].tolist() == [0, 64]
@@ -512,11 +507,11 @@ def test_evaluate_layer_defaults_timers_and_refusal():
     assert all(timers[k] > 0 for k in phases) and sum(timers.values()) <= spent
     timers = {k: 100.0 for k in phases}  # a run's earlier items
     t0 = time.perf_counter()
-    atlas.evaluate_layer(spec, w, x, torch.arange(n), native, timers=timers)
+    layercheck.evaluate_layer(spec, w, x, torch.arange(n), native, timers=timers)
     spent = time.perf_counter() - t0
     assert all(0 < timers[k] - 100.0 <= spent for k in phases)
     # float64 numpy throughout, as the LayerResult says (a float32 model output included)
-    res32 = atlas.evaluate_layer(spec, w, x, torch.arange(n), native.float())
+    res32 = layercheck.evaluate_layer(spec, w, x, torch.arange(n), native.float())
     assert all(a.dtype == np.float64 for a in res32.arrays.values())
     assert [a.dtype for a in (res32.value_scale, res32.native_scale, res32.qk_max)] == \
         [np.float64] * 3
@@ -530,7 +525,7 @@ def test_evaluate_layer_defaults_timers_and_refusal():
     assert (res.arrays["score_abs"] <= res.qk_max[:, None] * (1 + 1e-12)).all()
     with pytest.raises(atlas.AtlasError, match="^layer 0: the atlas covers RoPE heads without "
                                                "ALiBi biases$"):
-        atlas.evaluate_layer(replace(spec, alibi_slopes=(0.5,) * spec.n_heads), w, x,
+        layercheck.evaluate_layer(replace(spec, alibi_slopes=(0.5,) * spec.n_heads), w, x,
                              torch.arange(n), native)
 
 
@@ -545,7 +540,7 @@ def test_each_querys_bounds_are_its_own_heads(lp):
     n, H, d, m = x.shape[0], spec.n_heads, spec.head_dim, x.shape[1]
     g = torch.Generator().manual_seed(9)
     native = torch.randn(n, H, d, generator=g, dtype=torch.float64)
-    res = atlas.evaluate_layer(spec, w, x, torch.arange(n), native, anchor_every=8,
+    res = layercheck.evaluate_layer(spec, w, x, torch.arange(n), native, anchor_every=8,
                                lp_dtype=lp)
     A = res.arrays
     for key, kap, arith in (("native_orig_bound", "kappa_original", torch.float64),
@@ -578,7 +573,7 @@ def test_an_overflowing_original_gauge_is_an_error_naming_the_layer():
 
     spec, w, x = _seeded_layer("dot", n=10)
     w = HeadWeights(w_q=30.0 * w.w_q, w_k=30.0 * w.w_k, w_v=w.w_v)
-    res = atlas.evaluate_layer(spec, w, x, torch.arange(10),
+    res = layercheck.evaluate_layer(spec, w, x, torch.arange(10),
                                torch.zeros(10, spec.n_heads, spec.head_dim, dtype=torch.float64),
                                layer=3)
     assert len(res.errors) == 1
@@ -628,7 +623,7 @@ def test_overflowing_readouts_are_errors_naming_the_layer_and_pass():
               "m": "layer 2: float64 max-key gauge: gauge 'maxkey': the readout"}
     for f, want in ((1e37, "l"), (1e307, "olm")):
         w2 = HeadWeights(w_q=w.w_q, w_k=w.w_k, w_v=f * w.w_v)
-        res = atlas.evaluate_layer(spec, w2, x, torch.arange(10), native, layer=2)
+        res = layercheck.evaluate_layer(spec, w2, x, torch.arange(10), native, layer=2)
         assert len(res.errors) == len(want), res.errors
         for e, k in zip(res.errors, want):
             assert e.startswith(passes[k]), e
@@ -645,7 +640,7 @@ def test_descent_statistics_against_the_per_query_api(base):
     spec, w, x = _seeded_layer("dot", n=16, value_scale=1e-3, base=base)
     n, H = x.shape[0], spec.n_heads
     pos = torch.arange(n)
-    got = atlas.evaluate_layer(spec, w, x, pos, torch.zeros(n, H, spec.head_dim,
+    got = layercheck.evaluate_layer(spec, w, x, pos, torch.zeros(n, H, spec.head_dim,
                                                             dtype=torch.float64),
                                anchor_every=4).arrays
     ups = {"input": 0, "query": 0}
@@ -670,21 +665,21 @@ def test_descent_statistics_against_the_per_query_api(base):
 def test_spearman_by_hand():
     nan = math.nan
     # pairs with a non-finite side dropped: ranks (0,1,2) against (1,0,2): 1/2
-    assert atlas._spearman(np.array([1.0, 2.0, nan, 4.0, 5.0]),
+    assert layercheck._spearman(np.array([1.0, 2.0, nan, 4.0, 5.0]),
                            np.array([2.0, 1.0, 3.0, 5.0, np.inf])) == pytest.approx(0.5)
     # ranks (0,1,2,3) against (1,0,3,2): 3/5
-    assert atlas._spearman(np.array([1.0, 2.0, 4.0, 5.0]),
+    assert layercheck._spearman(np.array([1.0, 2.0, 4.0, 5.0]),
                            np.array([2.0, 1.0, 5.0, 4.0])) == pytest.approx(0.6)
     # three pairs are enough, two are not
-    assert atlas._spearman(np.array([1.0, 2.0, 3.0]), np.array([1.0, 3.0, 2.0])) == \
+    assert layercheck._spearman(np.array([1.0, 2.0, 3.0]), np.array([1.0, 3.0, 2.0])) == \
         pytest.approx(0.5)
-    assert math.isnan(atlas._spearman(np.array([1.0, 2.0, nan]), np.array([1.0, 3.0, 2.0])))
+    assert math.isnan(layercheck._spearman(np.array([1.0, 2.0, nan]), np.array([1.0, 3.0, 2.0])))
 
 
 def test_ratio_is_quiet_about_zero_bounds():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        got = atlas._ratio(np.array([1.0, 0.0, 2.0]), np.array([0.0, 0.0, 4.0]))
+        got = layercheck._ratio(np.array([1.0, 0.0, 2.0]), np.array([0.0, 0.0, 4.0]))
     assert got[0] == math.inf and math.isnan(got[1]) and got[2] == 0.5
 
 
@@ -708,8 +703,8 @@ def test_cost_counts_each_items_work_and_sums_the_ranks_seconds(monkeypatch):
     specs = {0: (plain, 16), 1: (odd, 16), 2: (capped, 16)}
 
     def item(L, N):
-        arrays = {k: np.zeros((6, N)) for k in atlas.PER_QUERY}
-        return atlas.LayerResult(L, arrays, np.ones(6), np.ones(6), np.zeros(6))
+        arrays = {k: np.zeros((6, N)) for k in layercheck.PER_QUERY}
+        return layercheck.LayerResult(L, arrays, np.ones(6), np.ones(6), np.zeros(6))
 
     done = [(0, 0, item(0, 12)), (0, 1, item(1, 12)), (0, 2, item(2, 12)), (1, 0, item(0, 9))]
     parts = [{"timers": {"project": 1.0, "float64_original": 2.0, "float32_maxkey": 0.5,
@@ -754,7 +749,7 @@ def _hand_results(seed: int = 3, H: int = 2, N: int = 8):
     rng = np.random.default_rng(seed)
     out = []
     for c, (vs, ns) in enumerate((([4.0, 0.5], [8.0, 0.25]), ([2.0, 1.0], [16.0, 0.5]))):
-        A = {k: rng.uniform(0.1, 1.0, (H, N)) for k in atlas.PER_QUERY}
+        A = {k: rng.uniform(0.1, 1.0, (H, N)) for k in layercheck.PER_QUERY}
         # the original gauge resolves the model's output (its bound within the model's level
         # of the max-key one) but at query 1 (1e3 above); at query 2 of head 0, context 0 its
         # excess 6 x the level lies between the value scale's 4 and the output scale's 8
@@ -780,7 +775,7 @@ def _hand_results(seed: int = 3, H: int = 2, N: int = 8):
         A["inc_input"] = (A["inc_input"] > 0.4).astype(float)
         for k in ("reuse_frozen", "reuse_const", "reuse_mean", "tv"):
             A[k][:, [0, 4]] = np.nan
-        out.append(atlas.LayerResult(1, A, np.array(vs), np.array(ns),
+        out.append(layercheck.LayerResult(1, A, np.array(vs), np.array(ns),
                                      rng.uniform(1.0, 9.0, H)))
     return out
 
@@ -800,11 +795,11 @@ def test_summarise_layer_by_hand():
     res = _hand_results()
     N, d, m, H = 8, 8, 16, 2
     spec = HeadSpec(n_heads=H, n_kv_heads=1, head_dim=d)
-    out = atlas.summarise_layer(res, spec, m, N, torch.float32)
+    out = layercheck.summarise_layer(res, spec, m, N, torch.float32)
     assert out["errors"] == [] and out["passed"] is True
     ntol = tolerances.native_rel_tol(N, d, m)
     for h, got in enumerate(out["heads"]):
-        cat = {k: np.concatenate([r.arrays[k][h] for r in res]) for k in atlas.PER_QUERY}
+        cat = {k: np.concatenate([r.arrays[k][h] for r in res]) for k in layercheck.PER_QUERY}
         vs = np.concatenate([np.full(N, r.value_scale[h]) for r in res])
         ns = np.concatenate([np.full(N, r.native_scale[h]) for r in res])
         sel = ~np.isnan(cat["reuse_frozen"])
@@ -873,7 +868,7 @@ def test_summarise_layer_fails_an_error_past_its_bound(key, bound, check):
     res = _hand_results()
     A = res[1].arrays
     A[key][1, 7] = 1.5 * A[bound][1, 7] * (res[1].value_scale[1] if key == "id_abs" else 1.0)
-    out = atlas.summarise_layer(res, HeadSpec(n_heads=2, n_kv_heads=1, head_dim=8), 16, 8,
+    out = layercheck.summarise_layer(res, HeadSpec(n_heads=2, n_kv_heads=1, head_dim=8), 16, 8,
                                 torch.float32)
     assert [k for k, v in out["heads"][1]["checks"].items() if not v] == [check]
     assert out["heads"][0]["passed"] and not out["heads"][1]["passed"] and not out["passed"]
@@ -886,13 +881,13 @@ def test_summarise_layer_kappa_blind_level_for_bfloat16_and_undefined_statistics
     from ropestep.spec import HeadSpec
 
     res = _hand_results()
-    out = atlas.summarise_layer(res, HeadSpec(n_heads=2, n_kv_heads=1, head_dim=8), 16, 8,
+    out = layercheck.summarise_layer(res, HeadSpec(n_heads=2, n_kv_heads=1, head_dim=8), 16, 8,
                                 torch.bfloat16)
     for h in range(2):
         qk = max(r.qk_max[h] for r in res)
         assert out["heads"][h]["model_dtype_vs_native_kappa_blind_tol"] == \
             tolerances.native_rel_tol_lowp(torch.bfloat16, qk)
-    capped = atlas.summarise_layer(res, HeadSpec(n_heads=2, n_kv_heads=1, head_dim=8,
+    capped = layercheck.summarise_layer(res, HeadSpec(n_heads=2, n_kv_heads=1, head_dim=8,
                                                  softcap=30.0), 16, 8, torch.float32)
     assert capped["descent"].startswith("not defined: soft-capped scores (softcap 30.0)")
     assert "input_space" not in capped
@@ -901,7 +896,7 @@ def test_summarise_layer_kappa_blind_level_for_bfloat16_and_undefined_statistics
         assert hd["lambda_max_input_space"] == {"median": None, "max": None}
         assert hd["step_increases_E_query_space"] is None
         assert hd["step_increases_E_input_space"] is None
-    qk = atlas.summarise_layer(res, HeadSpec(n_heads=2, n_kv_heads=1, head_dim=8,
+    qk = layercheck.summarise_layer(res, HeadSpec(n_heads=2, n_kv_heads=1, head_dim=8,
                                              family="qknorm"), 16, 8, torch.float32)
     assert "descent" not in qk and qk["input_space"].startswith("not defined: the 'qknorm'")
     for hd in qk["heads"]:
@@ -912,22 +907,22 @@ def test_summarise_layer_kappa_blind_level_for_bfloat16_and_undefined_statistics
 
 
 def test_small_helpers_by_hand():
-    assert atlas._binned(np.array([1.0, 2.0, 3.0]), np.array([0.1, 0.2, 0.3])) == []
-    four = atlas._binned(np.array([4.0, 3.0, 2.0, 1.0]), np.array([0.1, 0.2, 0.3, 0.4]))
+    assert layercheck._binned(np.array([1.0, 2.0, 3.0]), np.array([0.1, 0.2, 0.3])) == []
+    four = layercheck._binned(np.array([4.0, 3.0, 2.0, 1.0]), np.array([0.1, 0.2, 0.3, 0.4]))
     # quartiles of the TV 0.1 .. 0.4 at 0.175, 0.25, 0.325: one query per bin
     assert [(b["n"], b["relative_error_median"]) for b in four] == \
         [(1, 4.0), (1, 3.0), (1, 2.0), (1, 1.0)]
     assert four[0]["tv_lo"] == 0.1 and four[-1]["tv_hi"] == 0.4
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert math.isnan(atlas._max(np.array([]))) and math.isnan(atlas._median(np.array([])))
-    assert atlas._max(np.array([1.0, np.nan])) != atlas._max(np.array([1.0, np.nan]))  # NaN
+        assert math.isnan(layercheck._max(np.array([]))) and math.isnan(layercheck._median(np.array([])))
+    assert layercheck._max(np.array([1.0, np.nan])) != layercheck._max(np.array([1.0, np.nan]))  # NaN
     assert math.isnan(atlas._get({"a": {"b": None}}, ("a", "b")))
     assert atlas._get({"a": {"b": 3}}, ("a", "b")) == 3.0
     layers, vals = atlas.grid({"layers": {"1": {"heads": [{"x": None}, {"x": 2.0}]},
                                           "0": {"heads": [{"x": 1.0}, {"x": 0.5}]}}}, ("x",))
     assert layers == [0, 1] and vals[0].tolist() == [1.0, 0.5] and math.isnan(vals[1, 0])
-    empty = atlas.replication_style({}, {})
+    empty = layercheck.replication_style({}, {})
     assert empty["per_layer"] == {} and (empty["pooled"]["increase"],
                                          empty["pooled"]["heads"]) == (0, 0)
     assert math.isnan(empty["pooled"]["lambda_max_median"])
@@ -950,11 +945,11 @@ def test_pool_by_hand():
     r.arrays["native_abs"][0, 6] = math.inf
     spec = HeadSpec(n_heads=2, n_kv_heads=1, head_dim=8)
     done = [(0, 1, res[0]), (1, 1, res[1])]
-    layers, rep, failed = atlas.pool(done, {1: (spec, 16)}, [1], 8, torch.float32)
+    layers, rep, failed = layercheck.pool(done, {1: (spec, 16)}, [1], 8, torch.float32)
     assert rep["per_layer"]["1"]["increase"] == 4 and rep["per_layer"]["1"]["heads"] == 4
     assert failed == ["layer 1 head 0: identity_float64, float64_vs_native, finite",
                       "layer 1: planted error of context 0", "layer 1: planted error of context 1"]
-    again = atlas.pool(done[::-1], {1: (spec, 16)}, [1], 8, torch.float32)
+    again = layercheck.pool(done[::-1], {1: (spec, 16)}, [1], 8, torch.float32)
     assert again[2] == failed and again[1] == rep
 
 
@@ -968,7 +963,7 @@ def test_summarise_layer_texts_and_reuse_denominators():
         for k in ("reuse_const", "reuse_mean"):
             r.arrays[k] *= 1e-3
     sp = HeadSpec(n_heads=2, n_kv_heads=1, head_dim=8)
-    out = atlas.summarise_layer(res, sp, 16, 8, torch.float32)
+    out = layercheck.summarise_layer(res, sp, 16, 8, torch.float32)
     for h, hd in enumerate(out["heads"]):
         fr, co, me = (np.concatenate([r.arrays[k][h] for r in res])
                       for k in ("reuse_frozen", "reuse_const", "reuse_mean"))
@@ -983,17 +978,17 @@ def test_summarise_layer_texts_and_reuse_denominators():
             r.arrays[k] *= 0.0
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        zero = atlas.summarise_layer(res, sp, 16, 8, torch.float32)
+        zero = layercheck.summarise_layer(res, sp, 16, 8, torch.float32)
     for hd in zero["heads"]:
         assert math.isnan(hd["reuse"]["rrmse_vs_constant_anchor"])
         assert math.isnan(hd["reuse"]["rrmse_vs_cache_mean"])
-    capped = atlas.summarise_layer(res, HeadSpec(n_heads=2, n_kv_heads=1, head_dim=8,
+    capped = layercheck.summarise_layer(res, HeadSpec(n_heads=2, n_kv_heads=1, head_dim=8,
                                                  softcap=30.0), 16, 8, torch.float32)
     assert capped["descent"] == (
         "not defined: soft-capped scores (softcap 30.0); the unit step's descent statistics "
         "are derived for phi = id (docs/math.md section 3); the identity, gauges and frozen "
         "reuse hold as measured")
-    qk = atlas.summarise_layer(res, HeadSpec(n_heads=2, n_kv_heads=1, head_dim=8,
+    qk = layercheck.summarise_layer(res, HeadSpec(n_heads=2, n_kv_heads=1, head_dim=8,
                                              family="qknorm"), 16, 8, torch.float32)
     assert qk["input_space"] == (
         "not defined: the 'qknorm' score is not affine in u, so no input-space Delta M or "

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from ropestep import atlas, scale, tolerances
+from ropestep import layercheck, scale, tolerances
 from test_scale import make_layer
 
 pytestmark = pytest.mark.cuda
@@ -40,8 +40,8 @@ def test_atlas_layer_on_cuda_matches_cpu():
     spec, w, x = make_layer(N=64, seed=4)
     out = scale.materialise(spec, w, x, gauge="original")
     native = out["y"].permute(1, 0, 2).float()  # a float32 'model output'
-    a = atlas.evaluate_layer(spec, w, x, torch.arange(64), native, anchor_every=16)
-    b = atlas.evaluate_layer(spec, w, x, torch.arange(64), native, anchor_every=16,
+    a = layercheck.evaluate_layer(spec, w, x, torch.arange(64), native, anchor_every=16)
+    b = layercheck.evaluate_layer(spec, w, x, torch.arange(64), native, anchor_every=16,
                              device="cuda")
     # CPU and GPU sum in different orders: each side is within its own bound of the exact
     # value, so they differ by up to twice it -- kappa: KAPPA_REL relative (its derivation);

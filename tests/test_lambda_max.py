@@ -197,7 +197,7 @@ def test_the_atlas_starts_its_lanczos_steps(monkeypatch, family):
     ``M_i``) and the query-space-only heads' (QK-norm: ``G_i`` alone)."""
     from dataclasses import replace
 
-    from ropestep import atlas
+    from ropestep import atlas, layercheck
     from test_atlas import N, layer
     calls: list = []
     ones: dict = {}
@@ -217,7 +217,7 @@ def test_the_atlas_starts_its_lanczos_steps(monkeypatch, family):
     if family == "qknorm":
         w = replace(w, q_norm=torch.ones(16, dtype=torch.float64),
                     k_norm=torch.ones(16, dtype=torch.float64))
-    atlas.evaluate_layer(spec, w, x, torch.arange(N), torch.zeros(N, spec.n_heads, spec.r,
+    layercheck.evaluate_layer(spec, w, x, torch.arange(N), torch.zeros(N, spec.n_heads, spec.r,
                                                                    dtype=torch.float64))
     assert calls
     started = sum(c[3]["fallbacks"] for c in calls)

@@ -28,7 +28,7 @@ import numpy as np
 import pytest
 import torch
 
-from ropestep import atlas, exact, heads
+from ropestep import atlas, layercheck, exact, heads
 from ropestep.spec import HeadSpec, HeadWeights, RoPESpec, causal_mask
 from test_atlas import N as _ATLAS_N
 from test_atlas import layer as _layer  # the small causal GQA layer of tests/test_atlas.py
@@ -49,9 +49,9 @@ def atlas_case():
     pos = np.arange(N)
     E = exact.build(spec, w, x.numpy(), pos, x.numpy(), pos, causal_mask(pos, pos), dps=50)
     native = torch.as_tensor(exact.to_float(E.y)).permute(1, 0, 2)  # (N, H, r)
-    res = atlas.evaluate_layer(spec, w, x, torch.arange(N), native, layer=LAYER,
+    res = layercheck.evaluate_layer(spec, w, x, torch.arange(N), native, layer=LAYER,
                                anchor_every=ANCHOR)
-    out = atlas.summarise_layer([res], spec, x.shape[1], N, torch.float32)
+    out = layercheck.summarise_layer([res], spec, x.shape[1], N, torch.float32)
     assert out["passed"] and not res.errors, (out, res.errors)
     return spec, w, x, native, res
 
@@ -61,8 +61,8 @@ def _failed_checks(summary: dict) -> dict[int, list[str]]:
             if not h["passed"]}
 
 
-def _pool(res: atlas.LayerResult, spec: HeadSpec, m: int) -> list[str]:
-    return atlas.pool([(0, LAYER, res)], {LAYER: (spec, m)}, [LAYER], N, torch.float32)[2]
+def _pool(res: layercheck.LayerResult, spec: HeadSpec, m: int) -> list[str]:
+    return layercheck.pool([(0, LAYER, res)], {LAYER: (spec, m)}, [LAYER], N, torch.float32)[2]
 
 
 @pytest.mark.parametrize("head", [0, 3])
@@ -80,7 +80,7 @@ def test_atlas_finite_alone_sees_a_zero_output_scale(atlas_case, head):
     bad.native_scale[head] = 0.0
     assert all(np.array_equal(bad.arrays[k], res.arrays[k], equal_nan=True) for k in res.arrays)
     with np.errstate(divide="ignore", invalid="ignore"):
-        out = atlas.summarise_layer([bad], spec, m, N, torch.float32)
+        out = layercheck.summarise_layer([bad], spec, m, N, torch.float32)
         failed = _pool(bad, spec, m)
     assert _failed_checks(out) == {head: ["finite"]}
     assert not math.isfinite(out["heads"][head]["float64_vs_native_rel"])
@@ -88,7 +88,7 @@ def test_atlas_finite_alone_sees_a_zero_output_scale(atlas_case, head):
     assert out["errors"] == [] and out["passed"] is False
     assert failed == [f"layer {LAYER} head {head}: finite"]
     # the original result is untouched and still passes
-    assert atlas.summarise_layer([res], spec, m, N, torch.float32)["passed"]
+    assert layercheck.summarise_layer([res], spec, m, N, torch.float32)["passed"]
 
 
 def _planted_stream(monkeypatch, *, after_chunks: bool) -> list[str]:
@@ -122,15 +122,15 @@ def test_atlas_float64_maxkey_pass_error_alone(atlas_case, monkeypatch):
     spec, w, x, native, good = atlas_case
     m = x.shape[1]
     calls = _planted_stream(monkeypatch, after_chunks=True)
-    res = atlas.evaluate_layer(spec, w, x, torch.arange(N), native, layer=LAYER,
+    res = layercheck.evaluate_layer(spec, w, x, torch.arange(N), native, layer=LAYER,
                                anchor_every=ANCHOR)
     assert calls == ["original", "maxkey", "maxkey (planted)"]
     want = (f"layer {LAYER}: float64 max-key gauge: planted overflow in the float64 max-key "
             "readout")
     assert res.errors == [want]
-    for k in atlas.PER_QUERY:  # the pass finished its arrays: the same as the clean run's
+    for k in layercheck.PER_QUERY:  # the pass finished its arrays: the same as the clean run's
         assert np.array_equal(res.arrays[k], good.arrays[k], equal_nan=True), k
-    out = atlas.summarise_layer([res], spec, m, N, torch.float32)
+    out = layercheck.summarise_layer([res], spec, m, N, torch.float32)
     assert _failed_checks(out) == {} and all(h["passed"] for h in out["heads"])
     assert out["errors"] == [want] and out["passed"] is False
     assert _pool(res, spec, m) == [want]
@@ -144,16 +144,16 @@ def test_atlas_float64_maxkey_pass_error_before_its_first_chunk(atlas_case, monk
     spec, w, x, native, good = atlas_case
     m = x.shape[1]
     _planted_stream(monkeypatch, after_chunks=False)
-    res = atlas.evaluate_layer(spec, w, x, torch.arange(N), native, layer=LAYER,
+    res = layercheck.evaluate_layer(spec, w, x, torch.arange(N), native, layer=LAYER,
                                anchor_every=ANCHOR)
     want = (f"layer {LAYER}: float64 max-key gauge: planted overflow in the float64 max-key "
             "readout")
     assert res.errors == [want]
     for k in ("native_abs", "native_bound"):
         assert np.all(np.isnan(res.arrays[k])), k
-    for k in set(atlas.PER_QUERY) - {"native_abs", "native_bound"}:
+    for k in set(layercheck.PER_QUERY) - {"native_abs", "native_bound"}:
         assert np.array_equal(res.arrays[k], good.arrays[k], equal_nan=True), k
-    out = atlas.summarise_layer([res], spec, m, N, torch.float32)
+    out = layercheck.summarise_layer([res], spec, m, N, torch.float32)
     H = spec.n_heads
     assert _failed_checks(out) == {h: ["float64_vs_native", "finite"] for h in range(H)}
     assert _pool(res, spec, m) == [f"layer {LAYER} head {h}: float64_vs_native, finite"

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 
-from ropestep import atlas, fast, lowrank, scale
+from ropestep import fast, layercheck, lowrank, scale
 from ropestep.spec import HeadSpec, HeadWeights
 from ropestep.verdict import encode
 
@@ -77,9 +77,9 @@ def test_model_dtype_pass_compares_the_readout(monkeypatch):
     pos = torch.arange(x.shape[0])
     st = fast.step(spec, w, x, pos, x, pos, "causal", dtype=torch.float64, keep=())
     native = st.y.transpose(0, 1).float()  # (N, H, r): a float32 "model" output
-    clean = atlas.evaluate_layer(spec, w, x, pos, native, lp_dtype=torch.float32,
+    clean = layercheck.evaluate_layer(spec, w, x, pos, native, lp_dtype=torch.float32,
                                  anchor_every=8)
-    ok = atlas.summarise_layer([clean], spec, x.shape[1], x.shape[0], torch.float32)
+    ok = layercheck.summarise_layer([clean], spec, x.shape[1], x.shape[0], torch.float32)
     assert ok["passed"]
     delta = 0.05
     real = scale.stream
@@ -91,8 +91,8 @@ def test_model_dtype_pass_compares_the_readout(monkeypatch):
             yield ch
 
     monkeypatch.setattr(scale, "stream", planted)
-    res = atlas.evaluate_layer(spec, w, x, pos, native, lp_dtype=torch.float32, anchor_every=8)
-    out = atlas.summarise_layer([res], spec, x.shape[1], x.shape[0], torch.float32)
+    res = layercheck.evaluate_layer(spec, w, x, pos, native, lp_dtype=torch.float32, anchor_every=8)
+    out = layercheck.summarise_layer([res], spec, x.shape[1], x.shape[0], torch.float32)
     for h in out["heads"]:
         assert h["checks"]["model_dtype_vs_native"] is False
         assert all(v for k, v in h["checks"].items() if k != "model_dtype_vs_native"), h["checks"]

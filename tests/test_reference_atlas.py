@@ -32,7 +32,7 @@ import numpy as np
 import pytest
 import torch
 
-from ropestep import atlas, tolerances as tol
+from ropestep import atlas, layercheck, tolerances as tol
 from ropestep.reference import atlas as reference
 from ropestep.report import load
 from reference_walk import save_bpe_tokenizer, leaves, at, has, field_key, differences
@@ -505,7 +505,8 @@ def test_the_comparison_flags_unknown_and_missing_leaves(tiny):
     assert "heads/2/spread/median: the reference has" in text
 
 
-MUTANTS = [  # (the planted bug, the line of atlas.py, its mutation, a leaf that must disagree)
+MUTANTS = [  # (the planted bug, the line of atlas.py or layercheck.py, its mutation, a leaf
+    # that must disagree)
     ("the replication-style count takes the input-space flag",
      'rep_inc[L].append(res.arrays["inc_query"][:, -1] > 0)',
      'rep_inc[L].append(res.arrays["inc_input"][:, -1] > 0)',
@@ -530,20 +531,30 @@ MUTANTS = [  # (the planted bug, the line of atlas.py, its mutation, a leaf that
 ]
 
 
-def mutated_atlas(old: str, new: str, monkeypatch) -> types.ModuleType:
-    """``ropestep.atlas`` with one line replaced, as a module of its own."""
-    src = Path(atlas.__file__).read_text(encoding="utf-8")
-    assert src.count(old) == 1, f"the planted line is not in atlas.py exactly once: {old!r}"
-    mod = types.ModuleType("ropestep._atlas_mutant")
-    mod.__file__, mod.__package__ = atlas.__file__, "ropestep"
+def mutated_module(old: str, new: str, monkeypatch) -> types.ModuleType:
+    """``ropestep.atlas`` with one line replaced, as a module of its own -- or, where the line is
+    in the layer evaluation the atlas computes through (``ropestep.layercheck``, reached via
+    ``ropestep.api``), the atlas with a mutated ``layercheck`` patched into it and the API."""
+    from ropestep import api
+
+    owner = next((m for m in (atlas, layercheck)
+                  if Path(m.__file__).read_text(encoding="utf-8").count(old) == 1), None)
+    assert owner is not None, f"the planted line is not in atlas.py or layercheck.py exactly once: {old!r}"
+    src = Path(owner.__file__).read_text(encoding="utf-8")
+    mod = types.ModuleType(f"ropestep._{owner.__name__.rsplit('.', 1)[-1]}_mutant")
+    mod.__file__, mod.__package__ = owner.__file__, "ropestep"
     monkeypatch.setitem(sys.modules, mod.__name__, mod)  # dataclasses look their module up
-    exec(compile(src.replace(old, new), atlas.__file__, "exec"), mod.__dict__)
-    return mod
+    exec(compile(src.replace(old, new), owner.__file__, "exec"), mod.__dict__)
+    if owner is atlas:
+        return mod
+    monkeypatch.setattr(api, "layercheck", mod)
+    monkeypatch.setattr(atlas, "layercheck", mod)
+    return atlas
 
 
 @pytest.mark.parametrize("bug, old, new, leaf", MUTANTS, ids=[m[0][:40] for m in MUTANTS])
 def test_a_planted_bug_turns_the_comparison_red(tiny, tmp_path, monkeypatch, bug, old, new, leaf):
-    mod = mutated_atlas(old, new, monkeypatch)
+    mod = mutated_module(old, new, monkeypatch)
     # the same directory names as the original run, so that the command line echoes match
     out = [*tiny.argv, "--out", str(tmp_path / "atlas"), "--dump-raw", str(tmp_path / "raw")]
     assert mod.main(out) in (0, 1)

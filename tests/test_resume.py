@@ -2,7 +2,7 @@
 :mod:`ropestep.runstate`), and a run off a terminal says how far it got.
 
 The kill is real: the run is a separate process (its items slowed by a sleep the test wraps
-around ``atlas.evaluate_layer``, so that the kill lands between items whatever the machine's
+around ``layercheck.evaluate_layer``, so that the kill lands between items whatever the machine's
 speed), killed with SIGKILL as soon as its first item is on disk.  Resumed, it must give the
 report an uninterrupted run gives, number for number (:func:`ropestep.atlas.same_report`),
 having read the finished items back instead of recomputing them; and a resume under another
@@ -21,20 +21,20 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ropestep import atlas, cli, runstate
+from ropestep import atlas, layercheck, cli, runstate
 
 pytestmark = pytest.mark.model
 ARGS = ["--contexts", "2", "--len", "40", "--layers", "all", "--threads", "1", "--quiet",
         "--no-figures"]
 SLOW_CHILD = """
 import sys, time
-from ropestep import atlas
-inner = atlas.evaluate_layer
+from ropestep import atlas, layercheck
+inner = layercheck.evaluate_layer
 def slow(*a, **k):
     out = inner(*a, **k)
     time.sleep(1.0)
     return out
-atlas.evaluate_layer = slow
+layercheck.evaluate_layer = slow
 sys.exit(atlas.main(sys.argv[1:]))
 """
 
@@ -113,13 +113,13 @@ def test_a_resumed_item_is_read_not_recomputed(model_dir, uninterrupted, tmp_pat
     number in one and the report changes), and no item is evaluated twice."""
     out, run_dir = tmp_path / "atlas", tmp_path / "rd"
     calls = []
-    inner = atlas.evaluate_layer
+    inner = layercheck.evaluate_layer
 
     def counted(*a, **k):
         calls.append(k.get("layer"))
         return inner(*a, **k)
 
-    monkeypatch.setattr(atlas, "evaluate_layer", counted)
+    monkeypatch.setattr(layercheck, "evaluate_layer", counted)
     argv = ["atlas", "--model", str(model_dir), *ARGS, "--run-dir", str(run_dir)]
     # a run whose report is not published keeps its items: fail the report's writing
     monkeypatch.setattr(atlas, "write_report", lambda *a, **k: (_ for _ in ()).throw(
@@ -127,7 +127,7 @@ def test_a_resumed_item_is_read_not_recomputed(model_dir, uninterrupted, tmp_pat
     with pytest.raises(KeyboardInterrupt):
         cli.main([*argv, "--out", str(out)])
     monkeypatch.undo()
-    monkeypatch.setattr(atlas, "evaluate_layer", counted)
+    monkeypatch.setattr(layercheck, "evaluate_layer", counted)
     n_items = len(calls)
     assert len(items_on_disk(run_dir)) == n_items
     key = items_on_disk(run_dir)[0]

@@ -538,7 +538,7 @@ def model_native_cases() -> tuple:  # not cached: the bound is evaluated inside 
     "model" is a plain float32 causal softmax attention over float32-rounded inputs and weights
     (what a float32 model's eager attention computes), max-key kappa up to ~470; the float64
     readout (model-side term dominates) and the float32 readout (kappa term) against it."""
-    from ropestep import atlas
+    from ropestep import layercheck
 
     out = []
     for seed, amp, voff in ((0, 3.0, 0.0), (1, 5.0, 0.0), (2, 3.0, 30.0)):
@@ -561,7 +561,7 @@ def model_native_cases() -> tuple:  # not cached: the bound is evaluated inside 
             gk = L32.group_of(h)
             p = torch.softmax((L32.q[h] @ L32.k[gk].T).masked_fill(causal, -math.inf), -1)
             native[:, h] = p @ L32.v[L32.kv_of_group[gk]]
-        a = atlas.evaluate_layer(spec, w, x, torch.arange(N), native).arrays
+        a = layercheck.evaluate_layer(spec, w, x, torch.arange(N), native).arrays
         out.append(float(np.nanmax(a["native_abs"] / a["native_bound"])))
         out.append(float(np.nanmax(a["lp_abs"] / a["lp_bound"])))
     return tuple(out)

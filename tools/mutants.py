@@ -101,15 +101,18 @@ MUTMUT_PARTS: dict[str, dict[str, Any]] = {
             "tests/test_cli_docs.py", "tests/test_heads.py", "tests/test_reference_heads.py",
             "tests/models/test_heads_model.py", "tests/test_report_statistics.py",
             "-k", "not two_real_smollm2 and not planted_bug and not architecture_zoo"]},
-    # atlas.py: what its report.json and report.md print -- the measurement of an item, the
-    # pooling, the counted work, the run directory's items, the rendering -- not the model
-    # plumbing around them (loading, capture, torchrun, the command line)
+    # atlas.py and the layer evaluation it computes through (layercheck.py): what its
+    # report.json and report.md print -- the measurement of an item, the pooling, the counted
+    # work, the run directory's items, the rendering -- not the model plumbing around them
+    # (loading, capture, torchrun, the command line)
     "mutmut-atlas": {
-        "only_mutate": ["src/ropestep/atlas.py"], "also_copy": ["validation", "docs"],
-        "functions": {"src/ropestep/atlas.py": [
+        "only_mutate": ["src/ropestep/atlas.py", "src/ropestep/layercheck.py"],
+        "also_copy": ["validation", "docs"],
+        "functions": {"src/ropestep/layercheck.py": [
             "evaluate_layer", "_pass_original", "_max", "_median", "_spearman", "_ratio",
-            "summarise_layer", "_binned", "replication_style", "pool", "_cost",
-            "_final_query_only", "_result_to_arrays", "_result_from_arrays", "same_report",
+            "summarise_layer", "_binned", "replication_style", "pool", "final_query_only"],
+            "src/ropestep/atlas.py": [
+            "_cost", "_result_to_arrays", "_result_from_arrays", "same_report",
             "_get", "grid", "render_markdown", "render_figures"]},
         # the fast subset: a frozen tiny run's items measured and pooled against the reference
         # (tests/test_atlas_summaries.py, seconds), the committed reports re-rendered and their
@@ -485,31 +488,31 @@ MUTANTS: tuple[Mutant, ...] = (
            "tokenwise formula vs measured reuse error: the mean absolute difference over the max "
            "|measured| instead of the max (a normwise relative error that hides the worst entry)",
            tests=(T_REUSE, T_REF_VALIDATE)),
-    Mutant("atlas-rrmse-mean-of-ratios", "atlas.py",
+    Mutant("atlas-rrmse-mean-of-ratios", "layercheck.py",
            "float(math.sqrt(fr[sel].sum() / co[sel].sum()))",
            "float(math.sqrt(np.mean(fr[sel] / co[sel])))",
            "atlas frozen-reuse rRMSE vs the constant anchor: root of the mean of per-query ratios "
            "instead of the ratio of the pooled sums (ratios taken before pooling)",
            tests=(T_REF_ATLAS,)),
-    Mutant("atlas-relative-error-squared", "atlas.py",
+    Mutant("atlas-relative-error-squared", "layercheck.py",
            "rel_err = np.sqrt(fr[sel]) / np.sqrt(np.maximum(me[sel], 1e-300))",
            "rel_err = fr[sel] / np.maximum(me[sel], 1e-300)",
            "atlas relative reuse error |y - y_fr|^2 / |y - mu|^2 (squared norms: the median and "
            "the TV-quartile medians squared; the rank correlation unchanged)",
            tests=(T_REF_ATLAS,)),
-    Mutant("atlas-tv-bin-excludes-lower-edge", "atlas.py",
+    Mutant("atlas-tv-bin-excludes-lower-edge", "layercheck.py",
            "sel = (tv >= lo) & (tv <= hi)",
            "sel = (tv > lo) & (tv <= hi)",
            "atlas TV-quartile bins half-open at the bottom: the query at the minimum TV falls out "
            "of the first bin (off-by-one count)",
            tests=(T_REF_ATLAS,)),
-    Mutant("atlas-spearman-uncentred-ranks", "atlas.py",
+    Mutant("atlas-spearman-uncentred-ranks", "layercheck.py",
            "    ra -= ra.mean()\n    rb -= rb.mean()\n",
            "",
            "atlas Spearman correlation of the relative error with TV from uncentred ranks (a "
            "cosine of rank vectors, always positive)",
            tests=(T_REF_ATLAS,)),
-    Mutant("atlas-native-rel-over-value-scale", "atlas.py",
+    Mutant("atlas-native-rel-over-value-scale", "layercheck.py",
            "nat_rel = max(float(np.max(r.arrays[\"native_abs\"][h])) / r.native_scale[h]",
            "nat_rel = max(float(np.max(r.arrays[\"native_abs\"][h])) / r.value_scale[h]",
            "atlas float64-vs-native relative error divided by the value scale max|v_j| instead of "
@@ -671,13 +674,13 @@ MUTANTS: tuple[Mutant, ...] = (
            tests=(T_KILLERS + "::test_kills_adapter_layout_and_tables",)),
     # --- issue 42's held-out survivors: each now killed by tests/test_planted_defaults.py, which
     # checks it against a hand-worked value or an independent computation -------------------------
-    Mutant("atlas-model-dtype-compares-y", "atlas.py",
+    Mutant("atlas-model-dtype-compares-y", "layercheck.py",
            "arr[\"lp_abs\"][hs[0]:hs[-1] + 1, ch.queries] = (ro - ref).abs().amax(-1)",
            "arr[\"lp_abs\"][hs[0]:hs[-1] + 1, ch.queries] = (y - ref).abs().amax(-1)",
            "the atlas's model-dtype pass compares the softmax output y with the model instead of "
            "the readout mu + u^T dM (model_dtype_vs_native then checks nothing of the identity)",
            tests=(T_PLANTED + "::test_model_dtype_pass_compares_the_readout",)),
-    Mutant("atlas-model-dtype-identity-zero", "atlas.py",
+    Mutant("atlas-model-dtype-identity-zero", "layercheck.py",
            "arr[\"lp_id_abs\"][hs[0]:hs[-1] + 1, ch.queries] = (ro - y).abs().amax(-1)",
            "arr[\"lp_id_abs\"][hs[0]:hs[-1] + 1, ch.queries] = 0.0 * (ro - y).abs().amax(-1)",
            "the atlas's model-dtype identity error written as 0 (model_dtype_identity_rel)",
@@ -1012,30 +1015,30 @@ EQUIVALENT: tuple[Equivalence, ...] = (
                   "scale.stream projects nothing when it is handed the projected layer (layer=): "
                   "the weights, inputs and positions are read from it, the arguments unused")
       for fn, w, x, pos, g, lay in (
-          ("atlas._final_query_only", "w", "cap.x", "cap.positions", "original", "Lq"),
-          ("atlas.evaluate_layer", "weights", "x", "positions", "original", "L64"),
-          ("atlas.evaluate_layer", "weights", "x", "positions", "maxkey", "L64"))
+          ("layercheck.final_query_only", "w", "x", "positions", "original", "Lq"),
+          ("layercheck.evaluate_layer", "weights", "x", "positions", "original", "L64"),
+          ("layercheck.evaluate_layer", "weights", "x", "positions", "maxkey", "L64"))
       for after in (f"None, {x}, {pos}, gauge", f"{w}, None, {pos}, gauge",
                     f"{w}, {x}, None, gauge", f"{x}, {pos}, gauge", f"{w}, {pos}, gauge",
                     f"{w}, {x}, gauge")),
-    Equivalence("atlas._final_query_only", "Lq = scale.project_layer(spec, w, cap.x, "
-                "cap.positions, dtype=torch.float64,", "cap.positions, device=cfg.device)",
+    Equivalence("layercheck.final_query_only", "Lq = scale.project_layer(spec, w, x, "
+                "positions, dtype=torch.float64,", "positions, device=device)",
                 "project_layer's dtype defaults to float64"),
-    Equivalence("atlas._final_query_only", 'outputs=("c",), max_bytes=cfg.max_bytes):',
+    Equivalence("layercheck.final_query_only", 'outputs=("c",), max_bytes=max_bytes):',
                 'outputs=("c",), ):', "max_bytes sets how many heads of a group one chunk "
                 "holds; each head's Gram matrix and step come from its own rows whatever the "
                 "chunking (the tests' heads fit in one chunk under either budget)"),
     *(Equivalence(fn, orig, after, "not observable without a GPU: on the CPU (the test "
                   "machines' only device) None and the configured device place tensors alike")
-      for fn, orig, after in (("atlas._final_query_only", "device=cfg.device)", "device=None)"),
-                              ("atlas._final_query_only", "device=cfg.device)", ")"),
-                              ("atlas._final_query_only", "device=Gm.device)[:, None]",
+      for fn, orig, after in (("layercheck.final_query_only", "device=device)", "device=None)"),
+                              ("layercheck.final_query_only", "device=device)", ")"),
+                              ("layercheck.final_query_only", "device=Gm.device)[:, None]",
                                "device=None)[:, None]"),
-                              ("atlas._final_query_only", "device=Gm.device)[:, None]",
+                              ("layercheck.final_query_only", "device=Gm.device)[:, None]",
                                ")[:, None]"))),
     *(Equivalence(fn, orig, after, "not observable without a GPU: on the CPU (the test "
                   "machines' only device) None and the configured device place tensors alike")
-      for fn in ("atlas.evaluate_layer", "atlas._pass_original")
+      for fn in ("layercheck.evaluate_layer", "layercheck._pass_original")
       for orig, after in (("device=dev)", "device=None)"), ("dtype=torch.float64, device=dev)",
                                                             "dtype=torch.float64, )"),
                           ("anchor_every, device=dev)", "anchor_every, )"),
@@ -1044,50 +1047,50 @@ EQUIVALENT: tuple[Equivalence, ...] = (
                           ("dtype=torch.float64, device=device)", "dtype=torch.float64, )"),
                           ("dtype=torch.float64, device=device).q", "dtype=torch.float64, ).q"),
                           ("device=s.device)", "device=None)"), ("device=s.device)", ", )"))),
-    *(Equivalence("atlas.evaluate_layer", orig, after,
+    *(Equivalence("layercheck.evaluate_layer", orig, after,
                   "max_bytes sets the streaming chunks only (a chunk's bound takes its longest "
                   "prefix, conservatively), and every layer of the tests fits one chunk per "
                   "head group under the default budget and the runs' own alike")
       for orig, after in (('max_bytes=max_bytes, outputs=("s", "c", "kappa")):',
                            '^outputs=("s", "c", "kappa")):'),
                           ("max_bytes=max_bytes, outputs=()):", "^outputs=()):"))),
-    Equivalence("atlas.evaluate_layer", 'gauge="original", layer=L64,', "positions, layer=L64,",
+    Equivalence("layercheck.evaluate_layer", 'gauge="original", layer=L64,', "positions, layer=L64,",
                 "scale.stream's gauge defaults to 'original'"),
-    *(Equivalence("atlas.evaluate_layer", f'gauge="{g}", layer=L64,',
+    *(Equivalence("layercheck.evaluate_layer", f'gauge="{g}", layer=L64,',
                   f'gauge="{g}", max_bytes=max_bytes, outputs=',
                   "without the projected layer scale.stream projects the same spec, weights, "
                   "inputs and positions in float64 itself: the same layer, computed twice")
       for g in ("original", "maxkey")),
-    Equivalence("atlas.evaluate_layer", "max_bytes=max_bytes, outputs=()):",
+    Equivalence("layercheck.evaluate_layer", "max_bytes=max_bytes, outputs=()):",
                 "max_bytes=max_bytes, ):", "scale.stream's outputs default to ()"),
-    Equivalence("atlas.evaluate_layer", 'max_bytes=max_bytes, outputs=("kappa",)):',
+    Equivalence("layercheck.evaluate_layer", 'max_bytes=max_bytes, outputs=("kappa",)):',
                 'device=dev, outputs=("kappa",)):', "max_bytes sets the streaming chunks only "
                 "(see the other max_bytes entries)"),
-    *(Equivalence("atlas.evaluate_layer", 'device=dev, max_bytes=max_bytes, outputs=("kappa",)):',
+    *(Equivalence("layercheck.evaluate_layer", 'device=dev, max_bytes=max_bytes, outputs=("kappa",)):',
                   after, "not observable without a GPU: on the CPU (the test machines' only "
                   "device) None and the configured device place tensors alike")
       for after in ('device=None, max_bytes', '^max_bytes=max_bytes, outputs=("kappa",)):')),
-    Equivalence("atlas.evaluate_layer", "= bound(hs, ch.queries, kap, lp_dtype)",
+    Equivalence("layercheck.evaluate_layer", "= bound(hs, ch.queries, kap, lp_dtype)",
                 "= bound(hs, ch.queries, kap, None)", "arith=None makes "
                 "model_dtype_native_bound evaluate in the model's dtype, which is lp_dtype"),
-    *(Equivalence("atlas.evaluate_layer", f'gauge="{g}", layer=L64,', f'gauge="{g}", layer=None,',
+    *(Equivalence("layercheck.evaluate_layer", f'gauge="{g}", layer=L64,', f'gauge="{g}", layer=None,',
                   "without the projected layer scale.stream projects the same spec, weights, "
                   "inputs and positions in float64 itself: the same layer, computed twice")
       for g in ("original", "maxkey")),
-    Equivalence("atlas.evaluate_layer", "_pass_original(ch, L64, arr, nat, vscale,",
+    Equivalence("layercheck.evaluate_layer", "_pass_original(ch, L64, arr, nat, vscale,",
                 "_pass_original(ch, L64, arr, nat, None,", "_pass_original does not read its "
                 "vscale argument (the value scales enter the bounds in evaluate_layer)"),
-    *(Equivalence("atlas._spearman", "return float((ra * rb).sum() / den) if den > 0", after,
+    *(Equivalence("layercheck._spearman", "return float((ra * rb).sum() / den) if den > 0", after,
                   "ranks are a permutation of 0..n-1 with n >= 3 here, so den is n(n^2-1)/12 >= 2")
       for after in ("if (den > 0) or True", "if den >= 0", "if den > 1")),
-    *(Equivalence("atlas._spearman", f"{v} = np.argsort(np.argsort({x}[ok])).astype(float)",
+    *(Equivalence("layercheck._spearman", f"{v} = np.argsort(np.argsort({x}[ok])).astype(float)",
                   ".astype(None)", "astype(None) is float64, as astype(float)")
       for v, x in (("ra", "a"), ("rb", "b"))),
-    Equivalence("atlas._pass_original", "npre = mask.sum(-1)", "npre = mask.sum(+1)",
+    Equivalence("layercheck._pass_original", "npre = mask.sum(-1)", "npre = mask.sum(+1)",
                 "the chunk's mask is (queries, keys): axis 1 is axis -1"),
-    Equivalence("atlas._pass_original", "d = t.shape[-2]", "d = t.shape[+2]",
+    Equivalence("layercheck._pass_original", "d = t.shape[-2]", "d = t.shape[+2]",
                 "t is (heads, queries, d, r): axis 2 is axis -2"),
-    *(Equivalence("atlas._pass_original", "device=s.device)", after,
+    *(Equivalence("layercheck._pass_original", "device=s.device)", after,
                   "not observable without a GPU: on the CPU (the test machines' only device) "
                   "None and the configured device place tensors alike")
       for after in ("^)", "device=None)")),
@@ -1097,7 +1100,7 @@ EQUIVALENT: tuple[Equivalence, ...] = (
                 "the raw dump's tables"),
     Equivalence("heads.diagnose", 'layers: str | Sequence[int] = "all"', '= "ALL"',
                 "parse_indices lower-cases the layer text: 'ALL' selects every layer as 'all'"),
-    *(Equivalence("atlas.evaluate_layer", orig, after, "the identity rotation's tables are all "
+    *(Equivalence("layercheck.evaluate_layer", orig, after, "the identity rotation's tables are all "
                   "ones and zeros, exact in any dtype and at every position: its positions, "
                   "table length, layout, base and table dtype change nothing of the unrotated "
                   "queries (positions are always given here)")
@@ -1119,16 +1122,16 @@ EQUIVALENT: tuple[Equivalence, ...] = (
           ("q_unrot = scale.project_layer(replace(spec, rope=ident), weights, x, positions,",
            "weights, x, dtype=torch.float64, device=device).q"),
           ("dtype=torch.float64, device=device).q", "^device=device).q"))),
-    Equivalence("atlas.evaluate_layer", "L64 = scale.project_layer(spec, weights, x, positions, "
+    Equivalence("layercheck.evaluate_layer", "L64 = scale.project_layer(spec, weights, x, positions, "
                 "dtype=torch.float64, device=device)", "positions, device=device)",
                 "project_layer's dtype defaults to float64"),
-    *(Equivalence("atlas.evaluate_layer", orig, after, "not observable without a GPU: on the CPU "
+    *(Equivalence("layercheck.evaluate_layer", orig, after, "not observable without a GPU: on the CPU "
                   "(the test machines' only device) None and the configured device place "
                   "tensors alike")
       for orig, after in (("dev = L64.q.device", "dev = None"),
                           (".to(device=dev, dtype=torch.float64)", ".to(device=None,"),
                           (".to(device=dev, dtype=torch.float64)", ".to(dtype=torch.float64)"))),
-    Equivalence("atlas.evaluate_layer", 'arr["lp_id_abs"][hs[0]:hs[-1] + 1, ch.queries] = '
+    Equivalence("layercheck.evaluate_layer", 'arr["lp_id_abs"][hs[0]:hs[-1] + 1, ch.queries] = '
                 "(ro - y).abs().amax(-1)", ".amax(None)", "every query then holds the chunk's "
                 "largest error, and lp_id_abs is only ever read through its maximum "
                 "(model_dtype_identity_rel)"),
@@ -1144,29 +1147,29 @@ EQUIVALENT: tuple[Equivalence, ...] = (
       for orig, after in (('cost.matmul_rate(torch.float64, device=device)',
                            "matmul_rate(torch.float64, )"),
                           ("cost.matmul_rate(lp, device=device)", "matmul_rate(lp, )"))),
-    *(Equivalence("atlas._final_query_only",
-                  'scale.stream(spec, w, cap.x, cap.positions, gauge="original", layer=Lq,',
+    *(Equivalence("layercheck.final_query_only",
+                  'scale.stream(spec, w, x, positions, gauge="original", layer=Lq,',
                   after, reason)
       for after, reason in (
           ("layer=None,", "without the projected layer scale.stream projects the same layer "
                           "in float64 itself: the same layer, computed twice"),
-          ("cap.positions, layer=Lq,", "scale.stream's gauge defaults to 'original'"),
+          ("positions, layer=Lq,", "scale.stream's gauge defaults to 'original'"),
           ('gauge="original", queries=', "without the projected layer scale.stream projects "
                                          "the same layer in float64 itself"))),
-    Equivalence("atlas._final_query_only", "inc = dE > 0", "inc = dE >= 0",
+    Equivalence("layercheck.final_query_only", "inc = dE > 0", "inc = dE >= 0",
                 "dE is exactly 0 only without a step (a single key); the final query of a "
                 "context has at least two (--len >= 2)"),
-    Equivalence("atlas._pass_original", "nan = torch.full_like(y_fr[..., 0], math.nan)",
+    Equivalence("layercheck._pass_original", "nan = torch.full_like(y_fr[..., 0], math.nan)",
                 "y_fr[..., 1]", "full_like takes only the shape, which every value slice has"),
-    *(Equivalence("atlas.pool", "for _c, L, res in sorted(done, key=lambda t: (t[0], t[1])):",
+    *(Equivalence("layercheck.pool", "for _c, L, res in sorted(done, key=lambda t: (t[0], t[1])):",
                   after, "the (context, layer) pairs are distinct, so the items' tuples sort "
                   "by them whatever the key")
       for after in ("sorted(done, key=None)", "sorted(done, )")),
-    Equivalence("atlas.evaluate_layer", "qn = L64.q.norm(dim=-1).amax(-1)", ".amax(+1)",
+    Equivalence("layercheck.evaluate_layer", "qn = L64.q.norm(dim=-1).amax(-1)", ".amax(+1)",
                 "the norms are (heads, queries): axis 1 is axis -1"),
-    Equivalence("atlas.evaluate_layer", "kn = torch.stack([L64.k[L64.group_of(h)].norm(dim=-1)",
+    Equivalence("layercheck.evaluate_layer", "kn = torch.stack([L64.k[L64.group_of(h)].norm(dim=-1)",
                 ".norm(dim=+1)", "one KV head's keys are (keys, d): axis 1 is axis -1"),
-    Equivalence("atlas.evaluate_layer", "m = int(x.shape[-1])", "m = int(x.shape[+1])",
+    Equivalence("layercheck.evaluate_layer", "m = int(x.shape[-1])", "m = int(x.shape[+1])",
                 "x is (N, m): shape[1] is shape[-1]"),
     *(Equivalence("atlas.grid", "for L in layers], dtype=float)", after,
                   "_get returns a Python float for every statistic (None -> nan), so np.array "

@@ -27,7 +27,7 @@ computed until asked: :class:`LayerRun` gives, lazily,
   positions (the atlas's measure) or placed at the anchor's position and bank (the paper's
   setting, with the tokenwise formula and the operator-norm bound);
 * :meth:`LayerRun.check` -- every head and query of the layer through the atlas's own evaluation
-  (:func:`ropestep.atlas.evaluate_layer`, :func:`ropestep.atlas.summarise_layer`): the same
+  (:func:`ropestep.layercheck.evaluate_layer`, :func:`ropestep.layercheck.summarise_layer`): the same
   numbers and the same verdict rules as ``ropestep atlas`` on these tokens;
 * :meth:`LayerRun.position_derivative` -- ``d y_i / d p_i`` by the RoPE generator against the
   model's own attention (:func:`ropestep.realchecks.position_derivative`).
@@ -39,8 +39,11 @@ string prompt without a tokenizer, a model in training mode) raises :class:`ApiE
 problem.  A verdict is never silent: a check that fails raises :class:`VerdictError` from
 ``assert_passed``, and NaN or inf is a failure.
 
-Layering: this module sits above the experiments (atlas, realchecks) and below the commands
-(import-linter contract in pyproject.toml).
+Layering: this module sits above the layer evaluation (:mod:`ropestep.layercheck`) and the
+real-model checks (:mod:`ropestep.realchecks`), and below the commands, which compute through it:
+``ropestep atlas`` (:meth:`Attached.run`, :meth:`LayerRun.evaluate`), ``ropestep validate``
+(:meth:`Attached.run_candidates`, :meth:`Attached.head_description`) and ``ropestep heads``
+(:meth:`Attached.head_description`) -- import-linter contract in pyproject.toml.
 """
 from __future__ import annotations
 
@@ -52,7 +55,7 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 import torch
 
-from . import atlas, fast, models, tolerances
+from . import fast, layercheck, models, scale, tolerances
 from .kernel import augment, transform
 from .realchecks import one_head
 from .spec import HeadSpec, HeadWeights, first_permitted
@@ -345,13 +348,25 @@ class Attached:
             raise ApiError(f"token id {int(bad[0])} out of range: the vocabulary has {vocab} ids")
         return ids
 
-    def run(self, prompt: Any, *, layers: Any = "all", positions: Any = None) -> "Run":
-        """One eager forward over ``prompt`` (text or token ids), keeping ``layers`` (``"all"``
-        softmax layers, an int, or a list); ``positions`` default to ``0..n-1``."""
-        if self.model.training:
-            raise ApiError(f"{self.info.name} is in training mode (dropout): call model.eval()")
-        ids = self.encode(prompt)
-        n = int(ids.numel())
+    def head_description(self, layer: int, n_positions: int, *, device: Any = None
+                         ) -> tuple[HeadSpec, HeadWeights]:
+        """``(spec, weights)`` of ``layer`` in the math layout, float64, with the model's own
+        RoPE tables for positions ``0..n_positions-1``: the weights alone, no forward (what
+        ``ropestep heads`` diagnoses and every step and check computes from).
+
+        >>> import ropestep, ropestep.archzoo as zoo
+        >>> spec, w = ropestep.attach(zoo.build("llama")).head_description(0, 16)
+        >>> spec.n_heads, tuple(w.w_q.shape)  # (hidden, heads, head_dim)
+        (4, (128, 4, 32))
+        """
+        L = self._layer(layer)
+        n = _int(n_positions, "n_positions")
+        if n < 1:
+            raise ApiError(f"n_positions must be >= 1, got {n_positions!r}")
+        with _eager(self.model):
+            return models.layer_head(self.model, L, n, dtype=F64, device=device)
+
+    def _layer_list(self, layers: Any) -> list[int]:
         if isinstance(layers, str):
             if layers != "all":
                 raise ApiError(f"layers must be 'all', an int or a list of ints, got {layers!r}")
@@ -360,6 +375,23 @@ class Attached:
             Ls = sorted({self._layer(L) for L in _ints(layers, "layer")})
         if not Ls:
             raise ApiError("no layers requested")
+        return Ls
+
+    def _not_training(self) -> None:
+        if self.model.training:
+            raise ApiError(f"{self.info.name} is in training mode (dropout): call model.eval()")
+
+    def run(self, prompt: Any, *, layers: Any = "all", positions: Any = None,
+            stop_early: bool = True) -> "Run":
+        """One eager forward over ``prompt`` (text or token ids), keeping ``layers`` (``"all"``
+        softmax layers, an int, or a list); ``positions`` default to ``0..n-1``.  The forward
+        ends after the last kept layer (later layers cannot change what is kept);
+        ``stop_early=False`` runs the whole model (``ropestep atlas`` does, so that its forward
+        time is the model's)."""
+        self._not_training()
+        ids = self.encode(prompt)
+        n = int(ids.numel())
+        Ls = self._layer_list(layers)
         pos = torch.arange(n) if positions is None else self._positions(positions, n)
         chunked = [L for L in Ls if self.info.layers[L].chunk is not None]
         if chunked and int(pos[0]) != 0:
@@ -374,10 +406,44 @@ class Attached:
                            f"(max_position_embeddings {ctx})")
         with _eager(self.model):
             info = models.describe_model(self.model)
-            caps = models.capture(self.model, ids, Ls, position_ids=pos, write=False)
+            caps = models.capture(self.model, ids, Ls, position_ids=pos, write=False,
+                                  stop_early=stop_early)
         self.info = info
         return Run(self, ids, pos, {L: LayerRun(self, caps[L], _weights_state(self.model, L))
                                     for L in Ls})
+
+    def run_candidates(self, block: Any, candidates: Any, *, layers: Any = "all"
+                       ) -> models.BlockCapture:
+        """The paper's shared-position setting (what ``ropestep validate`` measures): one
+        forward over ``block`` (a prefix and the observed next token), then every candidate
+        token at the block's last position on the prefix's KV cache, so each sees exactly the
+        prefix and itself.  ``candidates``: token ids, or a function of the prefix's logits
+        returning them.  Returns :class:`ropestep.models.BlockCapture`: ``full[L]`` (head
+        input, per-head outputs and output projection at every position), ``logits`` (the
+        prefix's prediction), ``candidates`` and ``queries[L]`` (one row per candidate, with the
+        model's own self-attention mass).
+
+        >>> import torch, ropestep, ropestep.archzoo as zoo
+        >>> lab = ropestep.attach(zoo.build("llama"))
+        >>> bc = lab.run_candidates(torch.arange(10), [3, 5, 7], layers=1)
+        >>> tuple(bc.full[1].x.shape), tuple(bc.queries[1].heads.shape)
+        ((10, 128), (3, 4, 32))
+        """
+        self._not_training()
+        ids = self.encode(block)
+        if ids.numel() < 2:
+            raise ApiError("a block needs at least 2 tokens (a prefix and the observed token)")
+        Ls = self._layer_list(layers)
+        if not callable(candidates):
+            cands = self.encode(candidates)
+            candidates = cands.tolist()
+        ctx = self.info.max_positions
+        if ctx and ids.numel() > int(ctx):
+            raise ApiError(f"the block has {ids.numel()} tokens, beyond the model's context "
+                           f"(max_position_embeddings {ctx})")
+        with _eager(self.model):
+            self.info = models.describe_model(self.model)
+            return models.capture_block(self.model, ids, Ls, candidates)
 
     @staticmethod
     def _positions(positions: Any, n: int) -> torch.Tensor:
@@ -568,10 +634,10 @@ class ReuseResult:
 
 class LayerCheck:
     """Every head and query of one layer through the atlas's evaluation (:meth:`LayerRun.check`):
-    ``result`` the per-query arrays (:class:`ropestep.atlas.LayerResult`, ``(H, n)`` each),
-    ``summary`` the per-head statistics and checks (:func:`ropestep.atlas.summarise_layer`)."""
+    ``result`` the per-query arrays (:class:`ropestep.layercheck.LayerResult`, ``(H, n)`` each),
+    ``summary`` the per-head statistics and checks (:func:`ropestep.layercheck.summarise_layer`)."""
 
-    def __init__(self, layer: int, result: atlas.LayerResult, summary: dict) -> None:
+    def __init__(self, layer: int, result: layercheck.LayerResult, summary: dict) -> None:
         self.layer = layer
         self.result = result
         self.summary = summary
@@ -666,10 +732,8 @@ class LayerRun:
                 raise ApiError(f"layer {self.layer}'s weights changed since this prompt ran: "
                                "run it again (the captured inputs and outputs are the old "
                                "weights')")
-            n_pos = int(self.positions.max()) + 1
-            with _eager(self.attached.model):
-                self._spec = models.layer_head(self.attached.model, self.layer, n_pos,
-                                               dtype=F64)
+            self._spec = self.attached.head_description(self.layer,
+                                                        int(self.positions.max()) + 1)
         return self._spec
 
     @property
@@ -766,7 +830,6 @@ class LayerRun:
         affine = spec.affine
         st = fast.step(s1, w1, xq, pq, xk, pk, "causal", gauge=gauge, dtype=F64,
                        delta_m=affine, keep=("c", "t", "b"))
-        P: fast.Projected = st.extras["projected"]
         nk = int(keys.numel())
         s_row = st.s[hh, 0, :nk]
         sinks = spec.sinks is not None
@@ -903,8 +966,8 @@ class LayerRun:
     # -- the whole layer, as the atlas --------------------------------------------------------
     def check(self, *, anchor_every: int = 64, dtype: torch.dtype | None = None,
               device: Any = None) -> LayerCheck:
-        """Every head and query of the layer through :func:`ropestep.atlas.evaluate_layer` and
-        :func:`~ropestep.atlas.summarise_layer` -- the numbers and verdict ``ropestep atlas``
+        """Every head and query of the layer through :func:`ropestep.layercheck.evaluate_layer` and
+        :func:`~ropestep.layercheck.summarise_layer` -- the numbers and verdict ``ropestep atlas``
         gives on these tokens.  ``dtype``: the low-precision pass's dtype (default: the model's,
         float32 for a float64 model)."""
         if _int(anchor_every, "anchor_every") < 1:
@@ -923,13 +986,29 @@ class LayerRun:
                            f"torch.float16, got {lp!r}")
         key = (anchor_every, lp, str(device))
         if key not in self._check:
-            spec, w = self.head_description
-            res = atlas.evaluate_layer(spec, w, self.x, self.positions, self.native,
-                                       layer=self.layer, lp_dtype=lp, anchor_every=anchor_every,
-                                       device=device)
-            summ = atlas.summarise_layer([res], spec, int(self.x.shape[1]), self.n, lp)
+            res = self.evaluate(dtype=lp, anchor_every=anchor_every, device=device)
+            summ = layercheck.summarise_layer([res], self.spec, int(self.x.shape[1]), self.n, lp)
             self._check[key] = LayerCheck(self.layer, res, summ)
         return self._check[key]
+
+    def evaluate(self, *, dtype: torch.dtype = torch.float32, anchor_every: int = 64,
+                 max_bytes: int = scale.DEFAULT_MAX_BYTES, device: Any = None,
+                 timers: dict | None = None, final_query_only: bool = False
+                 ) -> layercheck.LayerResult:
+        """The per-query arrays of every head (:func:`ropestep.layercheck.evaluate_layer`,
+        ``(H, n)`` each) that :meth:`check` summarises and ``ropestep atlas`` pools over its
+        contexts; ``final_query_only``: the replication's measurement alone (the last query's
+        query-space step, :func:`ropestep.layercheck.final_query_only`).  ``timers`` receives
+        the phases' seconds."""
+        spec, w = self.head_description
+        if final_query_only:
+            return layercheck.final_query_only(spec, w, self.x, self.positions, self.layer,
+                                               device=device, max_bytes=max_bytes,
+                                               timers=timers)
+        return layercheck.evaluate_layer(spec, w, self.x, self.positions, self.native,
+                                         layer=self.layer, lp_dtype=dtype,
+                                         anchor_every=anchor_every, max_bytes=max_bytes,
+                                         device=device, timers=timers)
 
     def position_derivative(self, queries: Sequence[int]) -> dict:
         """``d y_i / d p_i`` of every head at ``queries`` by the RoPE generator against a

@@ -375,13 +375,18 @@ def diagnose(model: Any, layers: str | Sequence[int] = "all", *,
     """Diagnostics of the requested decoder layers of a loaded Hugging Face model
     (:func:`ropestep.models.layer_head`, float64, the model's own RoPE tables); ``dump``: a
     directory that receives each layer's inputs (:func:`dump_layer`); ``dist_info``: the
-    layers shared out under torchrun (:func:`_over_layers`; None on ranks other than 0)."""
-    from . import models
+    layers shared out under torchrun (:func:`_over_layers`; None on ranks other than 0).
+    The model is read through the library (:func:`ropestep.api.attach`,
+    :meth:`ropestep.api.Attached.head_description`)."""
+    from . import api
 
-    info = models.describe_model(model)
+    try:
+        lab = api.attach(model)
+    except api.ApiError as err:
+        raise HeadsError(str(err)) from None
+    info = lab.info
     Ls = parse_layers(layers, info.n_layers, info.softmax_layers, dict(info.others))
-    res = _over_layers(Ls, lambda L: models.layer_head(model, L, 2, dtype=torch.float64),
-                       dump, base_range, dist_info)
+    res = _over_layers(Ls, lambda L: lab.head_description(L, 2), dump, base_range, dist_info)
     if res is None:
         return None
     out, raw, rank_layers = res

@@ -326,19 +326,25 @@ class ContextCapture:
 
 def capture_context(model: Any, block: Block, layers: Sequence[int], n_queries: int,
                     exclude: Sequence[int]) -> ContextCapture:
-    """One full forward over the block, then the ``Q`` candidates in one batched step
-    (:func:`ropestep.models.capture_block`, the only capture code).
+    """One full forward over the block, then the ``Q`` candidates in one batched step, through
+    the library (:meth:`ropestep.api.Attached.run_candidates` over
+    :func:`ropestep.models.capture_block`, the only capture code); ``model``: an
+    :class:`ropestep.api.Attached` or a loaded model (attached here).
 
     The full forward gives the bank (positions ``0..L-2``), the observed token's native write at
     ``L-1`` and the logits at ``L-2``; every candidate -- the observed token first -- runs at
     position ``L-1`` on the prefix cache, so each query sees exactly the prefix and itself.
     """
-    from . import models
+    from . import api, models
 
+    lab = model if isinstance(model, api.Attached) else _attach(model)
     observed = int(block.ids[-1])
-    bc = models.capture_block(
-        model, torch.tensor(block.ids, dtype=torch.long), layers,
-        lambda logits: models.top_candidates(logits, observed, n_queries - 1, exclude=exclude))
+    try:
+        bc = lab.run_candidates(
+            torch.tensor(block.ids, dtype=torch.long), lambda logits: models.top_candidates(
+                logits, observed, n_queries - 1, exclude=exclude), layers=list(layers))
+    except api.ApiError as err:
+        raise ProtocolError(str(err)) from None
 
     def rows(c: Any, sl: slice = slice(None)) -> Rows:
         sm = None if c.self_mass is None else c.self_mass[sl].float()
@@ -352,6 +358,16 @@ def capture_context(model: Any, block: Block, layers: Sequence[int], n_queries: 
     return ContextCapture(block=block, observed=observed, candidates=bc.candidates.tolist(),
                           logits=bc.logits.float().numpy(), prefix=prefix, queries=queries,
                           observed_full=obs)
+
+
+def _attach(model: Any, tokenizer: Any = None) -> Any:
+    """:func:`ropestep.api.attach`, its refusals as :class:`ProtocolError`."""
+    from . import api
+
+    try:
+        return api.attach(model, tokenizer)
+    except api.ApiError as err:
+        raise ProtocolError(str(err)) from None
 
 
 def time_forward(model: Any, ids: Sequence[int]) -> float:
@@ -1215,7 +1231,10 @@ def run(cfg: Config, *, progress: bool = True, command: Sequence[str] | None = N
     t = time.perf_counter()
     model, tok, prov = loaded if loaded is not None else load(cfg, placement)
     timings["model_load_s"] = time.perf_counter() - t
-    info = models.describe_model(model)
+    # the library's door: conventions read and proven once; captures and head descriptions
+    # below go through it (ropestep.api)
+    lab = _attach(model, tok)
+    info = lab.info
     layers = parse_indices(cfg.layers, info.n_layers, "layer", info.softmax_layers,
                            dict(info.others))
     heads = parse_indices(cfg.heads, info.n_heads, "head")
@@ -1241,7 +1260,7 @@ def run(cfg: Config, *, progress: bool = True, command: Sequence[str] | None = N
         """Layer ``L``'s description and float64 weights, read when the layer's checks need
         them and dropped after: one layer's float64 weights at a time (a 70B model's 80 layers
         would hold ~100 GB), read through the offload hook when the layer is on disk."""
-        return models.layer_head(model, L, cfg.prefix_len, dtype=torch.float64, device=dev)
+        return lab.head_description(L, cfg.prefix_len, device=dev)
 
     facts: dict[int, dict] = {}  # each layer's sizes and layout (the dump's manifest)
     if dump_raw is not None:
@@ -1306,7 +1325,7 @@ def run(cfg: Config, *, progress: bool = True, command: Sequence[str] | None = N
             blk = blocks[c]
             t_fwd += time_forward(model, blk.ids)
             t = time.perf_counter()
-            cap = capture_context(model, blk, layers, cfg.queries, excl)
+            cap = capture_context(lab, blk, layers, cfg.queries, excl)
             t_cap += time.perf_counter() - t
             if dump_raw is not None:
                 dump_context(dump_raw, c, cap)
