@@ -197,7 +197,7 @@ def test_the_atlas_starts_its_lanczos_steps(monkeypatch, family):
     ``M_i``) and the query-space-only heads' (QK-norm: ``G_i`` alone)."""
     from dataclasses import replace
 
-    from ropestep import atlas, layercheck
+    from ropestep import layercheck
     from test_atlas import N, layer
     calls: list = []
     ones: dict = {}
@@ -210,7 +210,7 @@ def test_the_atlas_starts_its_lanczos_steps(monkeypatch, family):
         real(A, steps, stats=ones)
         return out
 
-    monkeypatch.setattr(atlas.fast, "lambda_max", spy)
+    monkeypatch.setattr(layercheck.fast, "lambda_max", spy)
     spec, w, x = layer(seed=3, d=16)
     spec = replace(spec, family=family)
     w = replace(w, b_k=torch.full_like(torch.as_tensor(w.b_k), 8.0))

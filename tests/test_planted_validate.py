@@ -23,7 +23,7 @@ Isolation is checked against a clean run of the same command: every outcome the 
 (each reconstruction row's ``pass_*`` flags and non-finite scalars, each context's calibration
 checks, each fast entry's non-finite contexts, each real-head check's ``ok``) is collected by
 :func:`_outcomes`, and the planted run's outcomes must differ from the clean run's exactly at the
-planted check.  Plants are sized from the check's own tolerance (``protocol.TOLERANCES``,
+planted check.  Plants are sized from the check's own tolerance (``contextcheck.TOLERANCES``,
 ``tolerances.FLOAT64_REL``, the result's ``readout_tol``/``v_tol``), never from a loosened one.
 """
 from __future__ import annotations
@@ -39,7 +39,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-from ropestep import cli, fast, models, protocol  # noqa: E402
+from ropestep import cli, contextcheck, fast, models, protocol  # noqa: E402
 from ropestep import corpus as cp  # noqa: E402
 from ropestep import realchecks as rc  # noqa: E402
 from ropestep import tolerances as tl  # noqa: E402
@@ -178,15 +178,15 @@ def _heads(report: dict) -> list[int]:
 # ---------------------------------------------------------------------------------------------
 def test_projected_write_planted(tiny_dir, clean, tmp_path, capsys, monkeypatch):
     """Plants ``+1e-6`` relative on each head's projected *readout* ``(mu + u^T dM) W_o,h`` of
-    both banks (``protocol.project`` called by ``evaluate_layer`` itself on the tensors
+    both banks (``contextcheck.project`` called by ``evaluate_layer`` itself on the tensors
     ``explicit_readout`` returned): only ``pass_projected_write`` compares them (with ``y W_o,h``).
     The combined identity and native checks project the same readouts through the nested
     ``write`` (left alone), the reuse section projects ``y``, ``mu`` and the predictions, so no
     other check sees the plant.  1e-6 is >= 10x outside ``TOLERANCES["projected_write"]`` at
     the largest entry (asserted from the row's own numbers)."""
     planted = 1e-6
-    atol, rtol = protocol.TOLERANCES["projected_write"]
-    orig_project, orig_readout = protocol.project, protocol.explicit_readout
+    atol, rtol = contextcheck.TOLERANCES["projected_write"]
+    orig_project, orig_readout = contextcheck.project, contextcheck.explicit_readout
     readouts: list = []
     hits = [0]
 
@@ -203,8 +203,8 @@ def test_projected_write_planted(tiny_dir, clean, tmp_path, capsys, monkeypatch)
             return p * (1 + planted)
         return p
 
-    monkeypatch.setattr(protocol, "explicit_readout", readout)
-    monkeypatch.setattr(protocol, "project", project)
+    monkeypatch.setattr(contextcheck, "explicit_readout", readout)
+    monkeypatch.setattr(contextcheck, "project", project)
     code, report, lines = _validate(tiny_dir, tmp_path / "pw", capsys)
     assert hits[0] == 2  # the prefix and the full bank's per-head readout projections, once each
     heads = _heads(report)
@@ -286,7 +286,7 @@ def _offset(ref: torch.Tensor) -> torch.Tensor:
     """Per head, ``OUTSIDE`` times the identity tolerance ``atol + rtol max|ref_h|`` that
     ``frozen_crosscheck`` and ``refresh_identity`` apply (``TOLERANCES["identity_head"]``),
     broadcast over queries and components: ``(H, 1, 1)``."""
-    atol, rtol = protocol.TOLERANCES["identity_head"]
+    atol, rtol = contextcheck.TOLERANCES["identity_head"]
     return OUTSIDE * (atol + rtol * ref.abs().amax((1, 2), keepdim=True))
 
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from ropestep import corpus as cp
-from ropestep import fast, protocol
+from ropestep import contextcheck, fast, protocol
 from ropestep import tolerances as tl
 from ropestep.spec import HeadSpec, HeadWeights, RoPESpec
 
@@ -474,7 +474,7 @@ def test_native_write_within_the_models_own_float32_noise(tiny_dir):
     u32 = 2.0 ** -24
     for blk in blocks:
         cap = protocol.capture_context(model, blk, [layer], 4, protocol.special_ids(tok))
-        lc = protocol.evaluate_layer(spec, w, cap, layer, "float32")
+        lc = contextcheck.evaluate_layer(spec, w, cap, layer, "float32")
         ids = torch.tensor(blk.ids)
         c64 = models.capture_continuations(model64, ids[:-1], cap.candidates, [layer])
         h32 = cap.queries[layer].heads.double()
@@ -497,7 +497,7 @@ def test_native_check_has_teeth(tiny_dir):
     blk = cp.select_blocks(cp.load_corpus("default").articles, cp.tokenizer_fn(tok), 1, 40, 1)[0]
     cap = protocol.capture_context(model, blk, [1], 4, protocol.special_ids(tok))
     spec, w = models.layer_head(model, 1, 40)
-    ok = protocol.evaluate_layer(spec, w, cap, 1, "float32")
+    ok = contextcheck.evaluate_layer(spec, w, cap, 1, "float32")
     assert all(r["pass_native"] and r["pass_identity"] and r["pass_relation"] for r in ok.rows)
     heads = [r for r in ok.rows if r["head"] != "combined"]
     assert all(r["pass_projected_write"] and r["pass_self_mass"] for r in heads)
@@ -513,14 +513,14 @@ def test_native_check_has_teeth(tiny_dir):
     # check and nothing else
     bad = copy.deepcopy(cap)
     bad.queries[1].self_mass += 1e-3
-    lc = protocol.evaluate_layer(spec, w, bad, 1, "float32")
+    lc = contextcheck.evaluate_layer(spec, w, bad, 1, "float32")
     assert not any(r.get("pass_self_mass", True) for r in lc.rows if r["head"] != "combined")
     assert all(r["pass_native"] and r["pass_identity"] for r in lc.rows)
     # a wrong prefix/full relation (pi off by 0.1%) fails the relation check
     orig_pf = fast.prefix_full
     try:
         fast.prefix_full = lambda y, v, pi: orig_pf(y, v, pi * 1.001)
-        lc = protocol.evaluate_layer(spec, w, cap, 1, "float32")
+        lc = contextcheck.evaluate_layer(spec, w, cap, 1, "float32")
     finally:
         fast.prefix_full = orig_pf
     assert not any(r["pass_relation"] for r in lc.rows)
@@ -528,7 +528,7 @@ def test_native_check_has_teeth(tiny_dir):
     assert [f.check for f in fl] == ["relation"]
     bad = copy.deepcopy(cap)
     bad.queries[1].x += 1e-3
-    lc = protocol.evaluate_layer(spec, w, bad, 1, "float32")
+    lc = contextcheck.evaluate_layer(spec, w, bad, 1, "float32")
     assert not any(r["pass_native"] for r in lc.rows)
     assert all(r["pass_identity"] for r in lc.rows)  # the identity holds for any input
     # a wrong mean (not the uniform one) breaks the identity itself
@@ -537,7 +537,7 @@ def test_native_check_has_teeth(tiny_dir):
     orig = kernel.uniform_mean
     try:
         kernel.uniform_mean = lambda v, mk: orig(v, mk) * 1.001
-        lc = protocol.evaluate_layer(spec, w, cap, 1, "float32")
+        lc = contextcheck.evaluate_layer(spec, w, cap, 1, "float32")
     finally:
         kernel.uniform_mean = orig
     assert not any(r["pass_identity"] for r in lc.rows)

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from ropestep import protocol
+from ropestep import contextcheck, protocol
 
 NAN, INF = math.nan, math.inf
 from test_protocol_summaries import DATA  # the frozen tiny run (one owner of the file)
@@ -48,30 +48,30 @@ def t64(*xs):
 def test_native_ok_bfloat16_is_normwise_with_an_inclusive_boundary():
     # max|native| = 8, 0.125 * 8 = 1: a max error of exactly 1 passes, anything above fails
     native = t64(8.0, -4.0, 0.5)
-    assert protocol.native_ok(t64(9.0, -4.0, 0.5), native, "bfloat16") is True
-    assert protocol.native_ok(t64(8.0, -3.0, 0.5), native, "bfloat16") is True
-    assert protocol.native_ok(t64(8.0, -4.0, 0.5), native, "bfloat16") is True
-    assert protocol.native_ok(t64(8.0, -4.0, 1.5000001), native, "bfloat16") is False
-    assert protocol.native_ok(t64(9.0000001, -4.0, 0.5), native, "bfloat16") is False
+    assert contextcheck.native_ok(t64(9.0, -4.0, 0.5), native, "bfloat16") is True
+    assert contextcheck.native_ok(t64(8.0, -3.0, 0.5), native, "bfloat16") is True
+    assert contextcheck.native_ok(t64(8.0, -4.0, 0.5), native, "bfloat16") is True
+    assert contextcheck.native_ok(t64(8.0, -4.0, 1.5000001), native, "bfloat16") is False
+    assert contextcheck.native_ok(t64(9.0000001, -4.0, 0.5), native, "bfloat16") is False
     # a relative error of 1/9 at every entry is within the normwise bound, though it would be
     # far outside float32's atol/rtol
-    assert protocol.native_ok(t64(8.0, -4.0, 0.5) * (10 / 9), native, "bfloat16") is True
+    assert contextcheck.native_ok(t64(8.0, -4.0, 0.5) * (10 / 9), native, "bfloat16") is True
 
 
 def test_native_ok_float32_is_atol_rtol_with_an_inclusive_boundary():
     # |native| = 0: the bound is atol = 3e-5 exactly
     zero = np.zeros(1)
-    assert protocol.native_ok(np.array([3e-5]), zero, "float32") is True
-    assert protocol.native_ok(np.array([-3e-5]), zero, "float32") is True
-    assert protocol.native_ok(np.array([np.nextafter(3e-5, 1.0)]), zero, "float32") is False
+    assert contextcheck.native_ok(np.array([3e-5]), zero, "float32") is True
+    assert contextcheck.native_ok(np.array([-3e-5]), zero, "float32") is True
+    assert contextcheck.native_ok(np.array([np.nextafter(3e-5, 1.0)]), zero, "float32") is False
     # |native| = 1000: the bound is 3e-5 + 0.3, dominated by rtol
     big = np.array([1000.0, 0.0])
-    assert protocol.native_ok(np.array([1000.3, 0.0]), big, "float32") is True
-    assert protocol.native_ok(np.array([1000.31, 0.0]), big, "float32") is False
-    assert protocol.native_ok(np.array([1000.0, 4e-5]), big, "float32") is False
+    assert contextcheck.native_ok(np.array([1000.3, 0.0]), big, "float32") is True
+    assert contextcheck.native_ok(np.array([1000.31, 0.0]), big, "float32") is False
+    assert contextcheck.native_ok(np.array([1000.0, 4e-5]), big, "float32") is False
     # float32 is elementwise, not normwise: an error of 1 next to |native| = 8 fails
-    assert protocol.native_ok(t64(9.0, -4.0), t64(8.0, -4.0), "float32") is False
-    assert protocol.native_ok(t64(8.0, -4.0), t64(8.0, -4.0), "float32") is True
+    assert contextcheck.native_ok(t64(9.0, -4.0), t64(8.0, -4.0), "float32") is False
+    assert contextcheck.native_ok(t64(8.0, -4.0), t64(8.0, -4.0), "float32") is True
 
 
 # ---------------------------------------------------------------------------------------------
@@ -81,9 +81,9 @@ def test_err_is_mse_and_max_abs():
     a = np.array([[1.0, 2.0], [3.0, 4.0]])
     b = np.array([[1.0, 0.0], [4.0, 4.0]])
     # differences 0, 2, -1, 0: mse (0 + 4 + 1 + 0) / 4, max_abs 2
-    assert protocol._err(a, b) == {"mse": 1.25, "max_abs": 2.0}
-    assert protocol._err(b, a) == {"mse": 1.25, "max_abs": 2.0}
-    assert protocol._err(torch.tensor([0.5, -1.5]), torch.tensor([0.0, 1.5])) == \
+    assert contextcheck._err(a, b) == {"mse": 1.25, "max_abs": 2.0}
+    assert contextcheck._err(b, a) == {"mse": 1.25, "max_abs": 2.0}
+    assert contextcheck._err(torch.tensor([0.5, -1.5]), torch.tensor([0.0, 1.5])) == \
         {"mse": (0.25 + 9.0) / 2, "max_abs": 3.0}
 
 

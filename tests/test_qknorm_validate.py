@@ -4,7 +4,7 @@ bound (docs/math.md section 13, "QK-norm in `validate`"; docs/protocol.md sectio
 On the protocol's geometry (``Q`` candidates at one position ``N`` reading a prefix bank of
 ``N`` keys), for a per-head and an all-heads QK-norm head:
 
-* :func:`ropestep.protocol.explicit_readout` (``mu + z_i^T dM^q_i``) against the mpmath oracle's
+* :func:`ropestep.contextcheck.explicit_readout` (``mu + z_i^T dM^q_i``) against the mpmath oracle's
   softmax output at 50 digits;
 * the frozen readout ``mu + z_i^T dM^q_0`` against the oracle's, built from its own query-space
   input and matrix (:func:`ropestep.exact.query_space_input`, ``query_space_delta_m``);
@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 
-from ropestep import exact, fast, protocol, tolerances
+from ropestep import contextcheck, exact, fast, tolerances
 from ropestep.spec import HeadSpec, HeadWeights
 
 from test_qknorm_scope import D, H, M, N, _head  # noqa: E402  (the suite's QK-norm heads)
@@ -62,7 +62,7 @@ def test_query_space_identity_reuse_and_bound_against_the_oracle(scope):
     st = fast.step(spec, w, xq, torch.full((Q,), N), xp, torch.arange(N), mask="bank", dtype=F64)
     y_ex, fr_ex, bd_ex = _oracle(spec, w, xp, xq)
     tol = tolerances.agreement_rel_tol(F64, N, D, M) * float(y_ex.abs().max())
-    assert float((protocol.explicit_readout(st, xq) - y_ex).abs().max()) <= tol
+    assert float((contextcheck.explicit_readout(st, xq) - y_ex).abs().max()) <= tol
     reuse = fast.frozen_reuse(st, anchor=0, bound=False)
     assert float((reuse.frozen - fr_ex).abs().max()) <= tol
     bound = fast.reuse_bound(st, anchor=0)

@@ -35,7 +35,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ropestep import cli, corpus, models, protocol
+from ropestep import cli, contextcheck, corpus, models, protocol
 from ropestep import tolerances as tl
 from ropestep.reference import contexts as reference
 from ropestep.report import dumps, load
@@ -207,7 +207,7 @@ def test_ties_and_special_ids_on_planted_logits(tiny):
     lg[observed] = 1.0
     excl, q = [0], 7
     blk = corpus.Block(article=3, start=4, n_tokens=40, ids=ids)
-    cap = protocol.ContextCapture(
+    cap = contextcheck.ContextCapture(
         block=blk, observed=observed, prefix={}, queries={}, observed_full={}, logits=lg,
         candidates=models.top_candidates(torch.from_numpy(lg), observed, q - 1, exclude=excl))
     report = {"contexts": [protocol._context_record(0, blk, cap, tok)],

@@ -1098,14 +1098,25 @@ MUTANTS = [  # (the planted bug, the module, its line, the mutation, a leaf that
 
 
 def mutated(name: str, old: str, new: str, monkeypatch) -> types.ModuleType:
-    """``ropestep.<name>`` with one line replaced, as a module of its own."""
+    """``ropestep.<name>`` with one line replaced, as a module of its own.  A ``protocol`` line
+    that lives in one context's evaluation (``ropestep.contextcheck``, which validate computes
+    through via ``ropestep.api``) is planted there and the mutated module patched into the API;
+    ``protocol`` itself is returned."""
+    from ropestep import api, contextcheck
+
     orig = {"protocol": protocol, "reuse_stats": rs}[name]
+    if name == "protocol" and Path(orig.__file__).read_text(encoding="utf-8").count(old) != 1:
+        orig = contextcheck
     src = Path(orig.__file__).read_text(encoding="utf-8")
     assert src.count(old) == 1, f"the planted line is not in {name}.py exactly once: {old!r}"
-    mod = types.ModuleType(f"ropestep._{name}_mutant")
+    short = orig.__name__.rsplit(".", 1)[-1]
+    mod = types.ModuleType(f"ropestep._{short}_mutant")
     mod.__file__, mod.__package__ = orig.__file__, "ropestep"
     monkeypatch.setitem(sys.modules, mod.__name__, mod)  # dataclasses look their module up
     exec(compile(src.replace(old, new), orig.__file__, "exec"), mod.__dict__)
+    if orig is contextcheck:
+        monkeypatch.setattr(api, "contextcheck", mod)
+        return protocol
     return mod
 
 
@@ -1135,7 +1146,10 @@ def test_a_planted_bug_turns_the_comparison_red(tiny, loaded, monkeypatch, bug, 
                                                 leaf):
     mod = mutated(name, old, new, monkeypatch)
     if name == "reuse_stats":
+        from ropestep import contextcheck
+
         monkeypatch.setattr(protocol, "rs", mod)
+        monkeypatch.setattr(contextcheck, "rs", mod)
         result = rerun(tiny, loaded)
     else:
         result = rerun(tiny, loaded, mod)

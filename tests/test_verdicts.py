@@ -130,15 +130,15 @@ def test_validate_pass_exits_0(tiny_model, tmp_path, capsys):
 def test_validate_nan_row_error_fails_and_shows_nan(tiny_model, tmp_path, capsys, monkeypatch):
     """A NaN in one row's errors (context 0, head 0, prefix bank): exit 1, the row named on
     stderr, ``nan`` in report.md's table and verdict, "nan" in report.json."""
-    from ropestep import protocol, report
+    from ropestep import contextcheck, report
 
-    orig, calls = protocol._err, [0]
+    orig, calls = contextcheck._err, [0]
 
     def err_with_nan(a, b):
         calls[0] += 1
         return {"mse": NAN, "max_abs": NAN} if calls[0] == 1 else orig(a, b)
 
-    monkeypatch.setattr(protocol, "_err", err_with_nan)
+    monkeypatch.setattr(contextcheck, "_err", err_with_nan)
     out = tmp_path / "nan"
     rc, err = _validate(tiny_model, out, capsys)
     print(err)
@@ -162,7 +162,7 @@ def test_validate_nan_row_error_fails_and_shows_nan(tiny_model, tmp_path, capsys
 
 @pytest.mark.model
 def test_validate_inf_check_and_tolerance_zero_fail(tiny_model, tmp_path, capsys, monkeypatch):
-    from ropestep import protocol
+    from ropestep import contextcheck, protocol
     from ropestep import reuse_stats as rs
 
     # an infinite tokenwise agreement (calibration check of head 0)
@@ -181,8 +181,9 @@ def test_validate_inf_check_and_tolerance_zero_fail(tiny_model, tmp_path, capsys
     md = (tmp_path / "inf" / "report.md").read_text()
     assert "max normwise relative difference **inf**" in md
     # every row outside a zero tolerance: one line per failed row, naming the check
-    mp_tol = dict(protocol.TOLERANCES, identity_head=(0.0, 0.0), identity_write=(0.0, 0.0))
+    mp_tol = dict(contextcheck.TOLERANCES, identity_head=(0.0, 0.0), identity_write=(0.0, 0.0))
     monkeypatch.setattr(protocol, "TOLERANCES", mp_tol)
+    monkeypatch.setattr(contextcheck, "TOLERANCES", mp_tol)
     rc, err = _validate(tiny_model, tmp_path / "zero", capsys)
     assert rc == 1
     lines = _fail_lines(err)

@@ -124,11 +124,13 @@ MUTMUT_PARTS: dict[str, dict[str, Any]] = {
             "tests/test_committed_figures.py", "tests/test_report_statistics.py",
             "tests/test_lambda_max.py"]},
     # protocol.py: its summaries only (what validate's report.json pools and judges), not the
-    # model plumbing around them
+    # model plumbing around them; with the two criteria of one context's rows (contextcheck.py)
     "mutmut-protocol": {
-        "only_mutate": ["src/ropestep/protocol.py"], "also_copy": ["validation", "docs"],
-        "functions": {"src/ropestep/protocol.py": [
-            "native_ok", "_err", "summarize_real_checks", "_mean", "_r6", "_at", "_tol_text",
+        "only_mutate": ["src/ropestep/protocol.py", "src/ropestep/contextcheck.py"],
+        "also_copy": ["validation", "docs"],
+        "functions": {"src/ropestep/contextcheck.py": ["native_ok", "_err"],
+                      "src/ropestep/protocol.py": [
+            "summarize_real_checks", "_mean", "_r6", "_at", "_tol_text",
             "row_failures", "row_ok", "_nonfinite_paths", "verdict", "verdict_block",
             "_nonfinite_contexts", "summarize_layer", "is_paper_setup"]},
         # the fast subset: the pooling of a frozen tiny run against the reference
@@ -542,7 +544,7 @@ MUTANTS: tuple[Mutant, ...] = (
            "validate descent: the fraction of rows with lambda_max > 2 (the unit step's descent "
            "threshold) counted against 1",
            tests=(T_REF_VALIDATE,)),
-    Mutant("protocol-gain-fit-includes-anchor", "protocol.py",
+    Mutant("protocol-gain-fit-includes-anchor", "contextcheck.py",
            "gain = {\"r\": _f64(y - mu)[:, 1:], \"g\": _f64(g)[:, 1:],",
            "gain = {\"r\": _f64(y - mu), \"g\": _f64(g),",
            "calibration gain gamma (per head) fitted over every query, the anchor i = 0 "

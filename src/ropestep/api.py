@@ -55,7 +55,8 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 import torch
 
-from . import fast, layercheck, models, scale, tolerances
+from . import contextcheck, fast, layercheck, models, scale, tolerances
+from .corpus import Block
 from .kernel import augment, transform
 from .realchecks import one_head
 from .spec import HeadSpec, HeadWeights, first_permitted
@@ -413,24 +414,27 @@ class Attached:
                                     for L in Ls})
 
     def run_candidates(self, block: Any, candidates: Any, *, layers: Any = "all"
-                       ) -> models.BlockCapture:
+                       ) -> "CandidateRun":
         """The paper's shared-position setting (what ``ropestep validate`` measures): one
-        forward over ``block`` (a prefix and the observed next token), then every candidate
-        token at the block's last position on the prefix's KV cache, so each sees exactly the
-        prefix and itself.  ``candidates``: token ids, or a function of the prefix's logits
-        returning them.  Returns :class:`ropestep.models.BlockCapture`: ``full[L]`` (head
-        input, per-head outputs and output projection at every position), ``logits`` (the
-        prefix's prediction), ``candidates`` and ``queries[L]`` (one row per candidate, with the
-        model's own self-attention mass).
+        forward over ``block`` (a prefix and the observed next token: text, token ids or a
+        corpus :class:`~ropestep.corpus.Block`), then every candidate token at the block's last
+        position on the prefix's KV cache, so each sees exactly the prefix and itself.
+        ``candidates``: token ids, or a function of the prefix's logits returning them.
+        Returns a :class:`CandidateRun`.
 
         >>> import torch, ropestep, ropestep.archzoo as zoo
         >>> lab = ropestep.attach(zoo.build("llama"))
-        >>> bc = lab.run_candidates(torch.arange(10), [3, 5, 7], layers=1)
-        >>> tuple(bc.full[1].x.shape), tuple(bc.queries[1].heads.shape)
+        >>> cr = lab.run_candidates(torch.arange(10), [9, 3, 5], layers=1)
+        >>> tuple(cr.capture.full[1].x.shape), tuple(cr.capture.queries[1].heads.shape)
         ((10, 128), (3, 4, 32))
+        >>> ctx = cr.evaluate(1)  # validate's measurements of this block at layer 1
+        >>> all(r["pass_identity"] for r in ctx.rows)
+        True
         """
         self._not_training()
-        ids = self.encode(block)
+        # a corpus block (by its fields: a reloaded corpus module's Block is another class)
+        is_block = all(hasattr(block, a) for a in ("ids", "article", "start", "n_tokens"))
+        ids = self.encode(block.ids if is_block else block)
         if ids.numel() < 2:
             raise ApiError("a block needs at least 2 tokens (a prefix and the observed token)")
         Ls = self._layer_list(layers)
@@ -443,7 +447,10 @@ class Attached:
                            f"(max_position_embeddings {ctx})")
         with _eager(self.model):
             self.info = models.describe_model(self.model)
-            return models.capture_block(self.model, ids, Ls, candidates)
+            bc = models.capture_block(self.model, ids, Ls, candidates)
+        src = block if is_block else Block(article=-1, start=0, n_tokens=int(ids.numel()),
+                                           ids=tuple(int(t) for t in ids))
+        return CandidateRun(self, src, bc, Ls)
 
     @staticmethod
     def _positions(positions: Any, n: int) -> torch.Tensor:
@@ -476,6 +483,50 @@ class Attached:
         if isinstance(prompts, str) or not isinstance(prompts, Sequence):
             raise ApiError("runs() takes a list of prompts; use run() for one")
         return [self.run(p, **kw) for p in prompts]
+
+
+class CandidateRun:
+    """One block in the paper's shared-position setting (:meth:`Attached.run_candidates`).
+
+    ``capture``: the :class:`ropestep.models.BlockCapture` (``full[L]``: head input, per-head
+    outputs and output projection at every position of the block; ``logits``: the prefix's
+    prediction; ``candidates``; ``queries[L]``: one row per candidate, with the model's own
+    self-attention mass); ``context``: the same as the protocol's float32 rows
+    (:class:`ropestep.contextcheck.ContextCapture`); :meth:`evaluate`: every measurement of one
+    layer, the numbers ``ropestep validate`` pools over its contexts."""
+
+    def __init__(self, attached: Attached, block: Block, capture: models.BlockCapture,
+                 layers: Sequence[int]) -> None:
+        self.attached = attached
+        self.block = block
+        self.capture = capture
+        self.layers = tuple(layers)
+        self.candidates = capture.candidates
+        self.context = contextcheck.context_capture(block, capture, self.layers)
+        self._state = {L: _weights_state(attached.model, L) for L in self.layers}
+
+    def __repr__(self) -> str:
+        return (f"CandidateRun({len(self.block.ids)} tokens, {int(self.candidates.numel())} "
+                f"candidates, layers {list(self.layers)})")
+
+    def evaluate(self, layer: int, *, model_dtype: str = "float32", device: Any = "cpu",
+                 head: tuple[HeadSpec, HeadWeights] | None = None) -> contextcheck.LayerContext:
+        """Every measurement of ``layer`` on this block (:func:`ropestep.contextcheck.evaluate_layer`):
+        the identity on the prefix and full banks against the model's writes (``model_dtype``:
+        ``"float32"`` or ``"bfloat16"``, the native criterion's), the fast path in float32 and
+        bfloat16, frozen reuse from every anchor, calibration and descent.  ``head``: the
+        layer's :meth:`Attached.head_description` where the caller holds it already."""
+        L = self.attached._layer(layer)
+        if L not in self.layers:
+            raise ApiError(f"layer {L} was not kept by this run (kept: {list(self.layers)})")
+        if model_dtype not in contextcheck.TOLERANCES["native"]:
+            raise ApiError(f"model_dtype must be one of "
+                           f"{sorted(contextcheck.TOLERANCES['native'])}, got {model_dtype!r}")
+        if _weights_state(self.attached.model, L) != self._state[L]:
+            raise ApiError(f"layer {L}'s weights changed since this block ran: run it again")
+        if head is None:
+            head = self.attached.head_description(L, len(self.block.ids), device=device)
+        return contextcheck.evaluate_layer(*head, self.context, L, model_dtype, device)
 
 
 class Run:
