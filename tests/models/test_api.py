@@ -24,6 +24,7 @@ import torch
 
 import ropestep
 from ropestep import api, archzoo, fast, realchecks, tolerances
+from ropestep.verdict import leaf_differences
 
 pytestmark = pytest.mark.model
 
@@ -177,22 +178,8 @@ def test_check_is_the_atlas_on_the_same_tokens(tmp_path):
     run = lab.run(torch.tensor(blocks[0].ids))
     checks = run.check(anchor_every=16)
 
-    def same(a, b, where=""):
-        if isinstance(a, dict):
-            assert set(a) == set(b), where
-            for k in a:
-                same(a[k], b[k], f"{where}.{k}")
-        elif isinstance(a, list):
-            assert len(a) == len(b), where
-            for k, (x, y) in enumerate(zip(a, b)):
-                same(x, y, f"{where}[{k}]")
-        elif isinstance(a, float) and math.isnan(a):
-            assert isinstance(b, float) and math.isnan(b), where
-        else:
-            assert a == b, (where, a, b)
-
     for L, c in checks.items():
-        same(c.summary, rep["layers"][str(L)], f"layer {L}")
+        assert leaf_differences(c.summary, rep["layers"][str(L)], f"layer {L}") == []
         assert c.passed
     rows = run.rows()
     assert len(rows) == 2 * 7 and rows[0]["layer"] == 0 and "checks.identity_float64" in rows[0]
