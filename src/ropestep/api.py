@@ -114,10 +114,26 @@ def _ints(xs: Any, what: str) -> list[int]:
 # ---------------------------------------------------------------------------------------------
 # attaching to a model
 # ---------------------------------------------------------------------------------------------
+def _impl_tree(config: Any) -> Any:
+    """A config's attention implementation, with its sub-configs' where they differ (the dict
+    form ``set_attn_implementation`` takes: ``{"": top, "text_config": ..., ...}``), so that a
+    composite model's mixed implementations are restored as they were, not as one string."""
+    impl = getattr(config, "_attn_implementation", None)
+    subs = {}
+    for key in getattr(config, "sub_configs", None) or {}:
+        sub = getattr(config, key, None)
+        if sub is not None:
+            subs[key] = _impl_tree(sub)
+    if all(v == impl for v in subs.values()):
+        return impl
+    return {"": impl, **subs}
+
+
 @contextmanager
 def _eager(model: Any) -> Iterator[None]:
-    """The model's attention implementation set to ``eager`` inside, restored on exit."""
-    impl = getattr(model.config, "_attn_implementation", None)
+    """The model's attention implementation set to ``eager`` inside (every sub-config's too),
+    restored on exit exactly as it was (:func:`_impl_tree`)."""
+    impl = _impl_tree(model.config)
     if impl == "eager":
         yield
         return
@@ -342,7 +358,8 @@ class Attached:
             except (TypeError, ValueError, RuntimeError):
                 raise ApiError(f"a prompt is a text or token ids, got {type(prompt).__name__}"
                                ) from None
-            if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
+            if ids.numel() and (ids.dtype.is_floating_point or ids.dtype.is_complex
+                                or ids.dtype == torch.bool):
                 raise ApiError(f"token ids must be integers, got {ids.dtype}")
             ids = ids.long()
         if ids.ndim == 2 and ids.shape[0] == 1:
@@ -1057,7 +1074,14 @@ class LayerRun:
         ``(H, n)`` each) that :meth:`check` summarises and ``ropestep atlas`` pools over its
         contexts; ``final_query_only``: the replication's measurement alone (the last query's
         query-space step, :func:`ropestep.layercheck.final_query_only`).  ``timers`` receives
-        the phases' seconds."""
+        the phases' seconds.
+
+        >>> import torch, ropestep, ropestep.archzoo as zoo
+        >>> lr = ropestep.attach(zoo.build("llama")).run(torch.arange(12), layers=1)[1]
+        >>> res = lr.evaluate(anchor_every=4)
+        >>> res.arrays["id_abs"].shape  # (heads, queries)
+        (4, 12)
+        """
         spec, w = self.head_description
         if final_query_only:
             return layercheck.final_query_only(spec, w, self.x, self.positions, self.layer,

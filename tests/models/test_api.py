@@ -228,6 +228,7 @@ def test_bfloat16_sdpa_and_window():
 
 def test_bad_input(llama, llama_run):
     lr = llama_run[1]
+    cands = llama.run_candidates(_ids(), [1, 2, 3], layers=1)
     cases = [
         (lambda: llama.run(_ids(), layers=7), "layer 7 out of range: the model has 2 layers"),
         (lambda: llama.run("some text"), "a text prompt needs a tokenizer"),
@@ -263,6 +264,13 @@ def test_bad_input(llama, llama_run):
         (lambda: lr.check(dtype=torch.float64), "dtype must be a torch.dtype: torch.float32"),
         (lambda: api.attach(torch.nn.Linear(2, 2)), "attach\\(\\) needs a Hugging Face"),
         (lambda: llama.runs("one string"), "runs\\(\\) takes a list"),
+        (lambda: llama.run_candidates(_ids(1), [1, 2]), "a block needs at least 2 tokens"),
+        (lambda: llama.run_candidates(_ids(), [1, 999]), "token id 999 out of range"),
+        (lambda: llama.run_candidates(_ids(), []), "non-empty 1-D sequence"),
+        (lambda: llama.head_description(0, 0), "n_positions must be >= 1"),
+        (lambda: llama.head_description(5, 4), "layer 5 out of range"),
+        (lambda: cands.evaluate(0), r"layer 0 was not kept by this run \(kept: \[1\]\)"),
+        (lambda: cands.evaluate(1, model_dtype="float16"), "model_dtype must be one of"),
     ]
     for call, msg in cases:
         with pytest.raises(api.ApiError, match=msg):
@@ -407,3 +415,30 @@ def test_offloaded_model_gives_the_in_memory_step(tmp_path):
         sa, sb = a[L].step(3, -1), b[L].step(3, -1)
         assert torch.equal(sa.delta_m, sb.delta_m) and torch.equal(sa.native, sb.native)
         assert sb.passed
+
+
+def test_a_composite_models_mixed_attention_is_restored_exactly():
+    """A multimodal config whose text and vision towers use different attention implementations
+    (SDPA and eager) is switched to eager inside ropestep's forwards and restored per sub-config
+    afterwards -- not flattened to the top-level string."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.Gemma3Config(
+        text_config=dict(hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, head_dim=32,
+                         vocab_size=300),
+        vision_config=dict(hidden_size=32, intermediate_size=32, num_hidden_layers=1,
+                           num_attention_heads=2, image_size=28, patch_size=14),
+        mm_tokens_per_image=4)
+    m = transformers.Gemma3ForConditionalGeneration(cfg).eval()
+    m.set_attn_implementation({"text_config": "sdpa", "vision_config": "eager"})
+
+    def impls():
+        c = m.config
+        return (c._attn_implementation, c.text_config._attn_implementation,
+                c.vision_config._attn_implementation)
+
+    before = impls()
+    assert before == ("sdpa", "sdpa", "eager")
+    with api._eager(m):
+        assert impls() == ("eager", "eager", "eager")
+    assert impls() == before
