@@ -246,7 +246,7 @@ def test_a_killed_validate_resumes_to_the_uninterrupted_report(model_dir, tmp_pa
 def test_a_resumed_context_is_read_not_recomputed(model_dir, tmp_path, monkeypatch):
     """Power of the test above: a kept context is what the report uses (a planted change in one
     reaches the report), and a fully kept run evaluates nothing."""
-    from ropestep import protocol, report
+    from ropestep import contextcheck, protocol, report
 
     out, run_dir = tmp_path / "v", tmp_path / "rd"
     argv = ["validate", "--model", str(model_dir), *VALIDATE, "--run-dir", str(run_dir),
@@ -262,7 +262,7 @@ def test_a_resumed_context_is_read_not_recomputed(model_dir, tmp_path, monkeypat
     tree["record"]["observed_rank"] += 1000  # planted
     state.save_tree("context1", tree, protocol.RUN_CLASSES)
     calls = []
-    monkeypatch.setattr(protocol, "evaluate_layer", lambda *a, **k: calls.append(a))
+    monkeypatch.setattr(contextcheck, "evaluate_layer", lambda *a, **k: calls.append(a))
     assert cli.main([*argv, "--resume"]) == 0
     assert calls == []
     got = json.loads((out / "report.json").read_text())
