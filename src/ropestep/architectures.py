@@ -64,6 +64,7 @@ COMMAND_ARGS = {"atlas": ATLAS_ARGS, "validate": VALIDATE_ARGS}
 # layers differ), in the order of the report's table
 SUMMARY_FIELDS = ("attention", "layout", "output", "rotary", "rotary_dim", "pairing", "tables",
                   "amplitude", "scaling", "score_scale", "softcap", "window", "chunk", "qk_norm",
+                  "norm_kind",
                   "qkv_bias", "o_bias", "sinks")
 
 # atlas: per-head check -> the report field holding its worst measured/bound ratio
@@ -677,8 +678,10 @@ def conventions_text(conv: dict | None) -> str:
         v = s[f]
         return any(x not in (None, False) for x in (v if isinstance(v, list) else [v]))
 
+    kinds = s.get("norm_kind", "rms")  # absent from reports before the LayerNorm form
+    layer_norm = "layer" in (kinds if isinstance(kinds, list) else [kinds])
     for f, label in (("softcap", "softcap"), ("window", "window"), ("chunk", "chunk"),
-                     ("qk_norm", "QK-norm"),
+                     ("qk_norm", "QK LayerNorm" if layer_norm else "QK-norm"),
                      ("sinks", "sinks"), ("qkv_bias", "qkv bias"), ("o_bias", "o bias")):
         if present(f):
             parts.append(label if s[f] is True else f"{label} {_field(s, f)}")

@@ -266,9 +266,13 @@ ARCHITECTURES.update({
         ffn_config={"ffn_hidden_size": 256, "moe_num_experts": 4, "moe_top_k": 2}),
     "persimmon": _arch(
         "persimmon", "per-head LayerNorm QK-norm with a bias (qk_layernorm: mean removed, not "
-        "an RMS norm), fused per-head query_key_value, partial rotary 0.5: refused (the "
-        "LayerNorm form is not modelled)",
+        "an RMS norm; HeadSpec.norm_kind 'layer'), fused per-head query_key_value, partial "
+        "rotary 0.5, in query space",
         base=_MHA, qk_layernorm=True, partial_rotary_factor=0.5, rope_parameters=dict(_ROPE)),
+    "doge": _arch(
+        "doge", "a data-dependent additive mask per head and key (Doge's dynamic mask, computed "
+        "from the values): refused with one line (not modelled; the zoo's refused outcome)",
+        rope_parameters=dict(_ROPE)),
 })
 
 # name -> why transformers 5.24 cannot build it offline on CPU in float32 (filled in only for

@@ -328,6 +328,8 @@ def _build(spec: HeadSpec, weights: HeadWeights, x_q: Any, pos_q: Any, x_kv: Any
         sin_t = None if not tab else np.asarray(_np(spec.rope.sin), dtype=np.float64)
         qn = None if weights.q_norm is None else to_mp(weights.q_norm)
         kn = None if weights.k_norm is None else to_mp(weights.k_norm)
+        qnb = None if weights.q_norm_bias is None else to_mp(weights.q_norm_bias)
+        knb = None if weights.k_norm_bias is None else to_mp(weights.k_norm_bias)
         slopes = spec.alibi_slopes
         extra = None if bias is None else to_mp(bias)
         if extra is not None and extra.ndim == 2:
@@ -344,10 +346,14 @@ def _build(spec: HeadSpec, weights: HeadWeights, x_q: Any, pos_q: Any, x_kv: Any
                 return pair_rotation(p, bases[h], d, spec.rope.layout, cos_t[p], sin_t[p])
             return pair_rotation(p, bases[h], d, spec.rope.layout)
 
-        def rms(vec, w):
+        def rms(vec, w, beta=None):
+            if spec.norm_kind == "layer":  # LayerNorm: centred, then scaled, then shifted
+                mean = fsum(vec) / len(vec)
+                vec = [x - mean for x in vec]
             ms = fsum(x * x for x in vec) / len(vec)
             inv = 1 / mp.sqrt(ms + mp.mpf(spec.norm_eps))
-            return [x * inv * wi for x, wi in zip(vec, w)]
+            out = [x * inv * wi for x, wi in zip(vec, w)]
+            return out if beta is None else [o + b_ for o, b_ in zip(out, beta)]
 
         def unit(vec):
             n = mp.sqrt(fsum(x * x for x in vec))
@@ -365,11 +371,11 @@ def _build(spec: HeadSpec, weights: HeadWeights, x_q: Any, pos_q: Any, x_kv: Any
         inv_q = [token_inv(U[i], Wq, H) for i in range(Q)] if all_scope else None
         inv_k = [token_inv(Uk[j], Wk, Hk) for j in range(Nx)] if all_scope else None
 
-        def normed(vec, w, inv=None):
+        def normed(vec, w, inv=None, beta=None):
             if all_scope:
                 return [x * inv * wi for x, wi in zip(vec, w)]
             if spec.family == "qknorm":
-                return rms(vec, w)
+                return rms(vec, w, beta)
             if spec.family == "cosine":
                 return unit(vec)
             return list(vec)
@@ -406,7 +412,7 @@ def _build(spec: HeadSpec, weights: HeadWeights, x_q: Any, pos_q: Any, x_kv: Any
                     k_all[h, j] = normed(rotate(Rk[pk[j]], kraw), kn)
                 else:
                     kvec = normed(kraw, kn[g] if all_scope else kn,
-                                  inv_k[j] if all_scope else None)
+                                  inv_k[j] if all_scope else None, knb)
                     k_all[h, j] = rotate(Rk[pk[j]], kvec)  # column form: k~^T = R(p) k^T
                 v_all[h, j] = (lat["v"](h, j) if latent else
                                clip([_dot_(Uk[j], Wv[:, g, c]) for c in range(r)]))
@@ -418,7 +424,7 @@ def _build(spec: HeadSpec, weights: HeadWeights, x_q: Any, pos_q: Any, x_kv: Any
                     qt = normed(rotate(Rq, qraw), qn)
                 else:
                     qt = rotate(Rq, normed(qraw, qn[h] if all_scope else qn,
-                                           inv_q[i] if all_scope else None))
+                                           inv_q[i] if all_scope else None, qnb))
                 q_all[h, i] = [qt[c] * sc for c in range(d)]
                 if affine:
                     # L_i = W^_q,h R(p_i)^T * scale   ((m+1) x d): row a is (R W^_a^T)^T

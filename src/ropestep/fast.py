@@ -34,8 +34,9 @@ import numpy as np
 import torch
 
 from .kernel import (FLOAT_DTYPES, LOW_PRECISION, augment, augmented_weight, compute_dtype,  # noqa: F401
-                     exp_dd, ftensor, gauge_chunk, latent_qkv, LATENT_FIELDS, phi1, rms_norm,
-                     scaled_phi1, transform, transform_dd, uniform_mean, unit_rows, with_sink, clipped)
+                     exp_dd, ftensor, gauge_chunk, latent_qkv, LATENT_FIELDS, phi1, qk_norm,
+                     rms_norm, scaled_phi1, transform, transform_dd, uniform_mean, unit_rows,
+                     with_sink, clipped)
 from .rope import (apply_rope, rope_cos_sin, rope_derivative, rope_finite_difference,  # noqa: F401
                    rope_frequencies, rope_generator, rope_phi1, rope_rotation)
 from .spec import HeadSpec, HeadWeights, check_inputs, resolve_mask, _positions
@@ -104,8 +105,10 @@ def project(spec: HeadSpec, weights: HeadWeights, x_q: Any, pos_q: Any, x_kv: An
         v = clipped(torch.einsum("nm,mhd->hnd", u_k, wv), spec.clip)
     after = spec.norm_after_rope  # the norms act on the rotated vectors (Hunyuan)
     if spec.family == "qknorm" and not after:
-        q = rms_norm(q, cast(weights.q_norm), spec.norm_eps, spec.norm_scope)
-        k = rms_norm(k, cast(weights.k_norm), spec.norm_eps, spec.norm_scope)
+        q = qk_norm(q, cast(weights.q_norm), spec.norm_eps, spec.norm_scope, spec.norm_kind,
+                    cast(weights.q_norm_bias))
+        k = qk_norm(k, cast(weights.k_norm), spec.norm_eps, spec.norm_scope, spec.norm_kind,
+                    cast(weights.k_norm_bias))
     elif spec.family == "cosine":
         q, k = unit_rows(q, "query"), unit_rows(k, "key")
     kv_of = torch.arange(spec.n_heads, device=q.device) // spec.group

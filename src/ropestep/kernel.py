@@ -158,6 +158,18 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, scope: str = "head") 
     return x * torch.rsqrt((x * x).mean(-1, keepdim=True) + eps) * w
 
 
+def qk_norm(x: torch.Tensor, w: torch.Tensor, eps: float, scope: str = "head",
+            kind: str = "rms", bias: torch.Tensor | None = None) -> torch.Tensor:
+    """A head's query/key norm (``HeadSpec.norm_kind``): :func:`rms_norm` (``"rms"``), or
+    LayerNorm over each head's last dim (``"layer"``, Persimmon):
+    ``(x - mean x) / sqrt(mean (x - mean x)^2 + eps) * w + bias``."""
+    if kind == "layer":
+        xc = x - x.mean(-1, keepdim=True)
+        out = xc * torch.rsqrt((xc * xc).mean(-1, keepdim=True) + eps) * w
+        return out if bias is None else out + bias
+    return rms_norm(x, w, eps, scope)
+
+
 def latent_qkv(x: torch.Tensor, w: dict, heads: int, kv_eps: float, q_eps: float
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Multi-head latent attention in its absorbed form (``spec.family == "latent"``,

@@ -47,7 +47,7 @@ import torch
 
 from . import exact, fast, kernel, models, rope
 from . import tolerances as tl
-from .models.conventions import _norm_weight, qk_norms
+from .models.conventions import _layer_norm_weight, _norm_weight, qk_norms
 from .models.structure import onloaded
 from .spec import HeadSpec, HeadWeights, RoPESpec, _positions, first_permitted
 from .verdict import finite, least, within, worst
@@ -224,20 +224,30 @@ def _model_norms(model: Any, layer: int, info: models.ModelInfo, conv: Any) -> d
     info = info.for_layer(int(layer))
     H, Hk, d = info.n_heads, info.n_kv_heads, info.head_dim
     full = conv.norm_scope == "all"
-    out: dict = {"scope": conv.norm_scope}
+    out: dict = {"scope": conv.norm_scope, "bias": {}}
     with onloaded(attn):
         for nm, nh, mod in zip(("q", "k"), (H, Hk), qk_norms(attn)):
-            g, eps = _norm_weight(mod, nh * d if full else d,
-                                  f"{info.name}: layer {layer} {nm} norm")
+            what = f"{info.name}: layer {layer} {nm} norm"
+            layer_norm = _layer_norm_weight(mod, d, what) if not full else None
+            if layer_norm is not None:  # a LayerNorm with a bias (Persimmon)
+                g, beta, eps = layer_norm
+            else:
+                (g, eps), beta = _norm_weight(mod, nh * d if full else d, what), None
             out[nm] = (g.view(nh, d) if full else g, float(eps))
+            out["bias"][nm] = beta
     return out
 
 
-def _apply_model_norm(z: torch.Tensor, g: torch.Tensor, eps: float, scope: str) -> torch.Tensor:
+def _apply_model_norm(z: torch.Tensor, g: torch.Tensor, eps: float, scope: str,
+                      beta: torch.Tensor | None = None) -> torch.Tensor:
     """``g z / sqrt(mean(z^2) + eps)`` of ``z (n, heads, d)`` (model head-dim order, float64) the
     way the layer applies its norm: over each head's ``d`` features (``scope="head"``: Qwen3's
     and Gemma 3's norm after ``view(..., -1, head_dim)``), or over all ``heads * d`` features of
-    a token (``"all"``: OLMo 2's norm of ``q_proj(x)`` before the reshape)."""
+    a token (``"all"``: OLMo 2's norm of ``q_proj(x)`` before the reshape).  With ``beta``, the
+    layer's LayerNorm: ``g (z - mean z) / sqrt(mean (z - mean z)^2 + eps) + beta`` per head."""
+    if beta is not None:
+        zc = z - z.mean(-1, keepdim=True)
+        return zc * torch.rsqrt(zc.pow(2).mean(-1, keepdim=True) + eps) * g + beta
     if scope == "all":
         flat = z.reshape(z.shape[0], -1)
         return (flat * torch.rsqrt(flat.pow(2).mean(-1, keepdim=True) + eps)).view_as(z) * g
@@ -245,7 +255,8 @@ def _apply_model_norm(z: torch.Tensor, g: torch.Tensor, eps: float, scope: str) 
 
 
 def _normalised_abs(dtype: torch.dtype, z: torch.Tensor, A: torch.Tensor, n_terms: int,
-                    g: torch.Tensor, eps: float, scope: str, roundings: int) -> torch.Tensor:
+                    g: torch.Tensor, eps: float, scope: str, roundings: int,
+                    beta: torch.Tensor | None = None) -> torch.Tensor:
     """Elementwise bound, before the rotation pair's sum, of a QK-normalised rotated query or key
     that one side computes in ``dtype``, against exact arithmetic on the same inputs and table
     values: ``z = x W^T + b`` (``z``, ``A = |x| |W|^T + |b|``: ``(n, heads, d)``, model head-dim
@@ -277,12 +288,25 @@ def _normalised_abs(dtype: torch.dtype, z: torch.Tensor, A: torch.Tensor, n_term
     (``roundings = 3``; fast.project's multiplication by the score scale and the check's division
     by it add two: ``roundings = 5``).  A bound that cannot be stated (``r_lo <= 0``: an error as
     large as the vector's RMS) is NaN, a failure.
+
+    A LayerNorm with a bias ``beta`` (Persimmon: ``y = g (z - mean z) / r(z - mean z) + beta``,
+    per head): the side centres ``z^`` with its own computed mean, whose error is at most
+    ``mean(E)`` (the inputs') plus ``(HM_LAMBDA sqrt(n) + 2) u_acc max(|z| + E)`` (the rounded
+    sum of ``n`` terms and the division), and rounds the subtraction (``u_acc (|z| + E)``); so
+    the centred vector carries ``E_c = E + mean(E) + (HM_LAMBDA sqrt(n) + 3) u_acc max(|z| + E)``
+    and the RMS step above applies to ``z - mean z`` with ``E_c``.  The bias's addition rounds
+    once more and is stored: ``(u_acc + u_store) Y'`` with ``Y' = Y + |beta|`` bounding the
+    output, which also carries the rotation's roundings.
     """
     u_acc = tl.unit_roundoff(dtype)
     u_store = tl.STORAGE_ROUNDOFF.get(dtype, u_acc)
     red = (-1,) if scope == "head" else (-2, -1)
     n = z.shape[-1] if scope == "head" else z.shape[-1] * z.shape[-2]
     E = tl.rotated_projection_abs(dtype, A, n_terms)
+    if beta is not None:  # LayerNorm: centred by the side's own mean (docstring)
+        zE = (z.abs() + E).amax(red, keepdim=True)
+        E = E + E.mean(red, keepdim=True) + (tl.HM_LAMBDA * math.sqrt(n) + 3.0) * u_acc * zE
+        z = z - z.mean(red, keepdim=True)
     rho = E.pow(2).mean(red, keepdim=True).sqrt()
     r = (z.pow(2).mean(red, keepdim=True) + eps).sqrt()
     r_lo = torch.where(r > rho, r - rho, torch.full_like(r, math.nan))
@@ -290,6 +314,9 @@ def _normalised_abs(dtype: torch.dtype, z: torch.Tensor, A: torch.Tensor, n_term
     Y = ga * (z.abs() + E) / r_lo
     En = ga * (E / r_lo + z.abs() * rho / (r * r_lo)) \
         + ((tl.HM_LAMBDA * math.sqrt(n) + 8.0) * u_acc + 2.0 * u_store) * Y
+    if beta is not None:  # the bias's addition and store
+        Y = Y + beta.abs()
+        En = En + (u_acc + u_store) * Y
     return En + roundings * u_store * Y
 
 
@@ -415,6 +442,7 @@ def conventions(model: Any, layer: int, x: Any, positions: Any, *,
         summed over the model's rotation pair, (nh, n, d) in ropestep's head-dim order."""
         z, A = models.layouts.project(part, x64, nh)
         g, eps = norms[name]
+        beta = norms["bias"].get(name)
         if conv.norm_after_rope:  # the norm acts on the rotated vector (Hunyuan): the rotated
             # projection's terms, summed over the pair, carried through the norm of R z
             cs_, sn_ = models.attention.per_pair_tables(model, conv, pos)
@@ -424,8 +452,8 @@ def conventions(model: Any, layer: int, x: Any, positions: Any, *,
             both = (_normalised_abs(mdt, zr, Ar, kterms, g, eps, "head", 3)
                     + _normalised_abs(F64, zr, Ar, kterms, g, eps, "head", 5))
             return both[..., perm].transpose(0, 1)
-        both = (_normalised_abs(mdt, z, A, kterms, g, eps, norms["scope"], 3)
-                + _normalised_abs(F64, z, A, kterms, g, eps, norms["scope"], 5))
+        both = (_normalised_abs(mdt, z, A, kterms, g, eps, norms["scope"], 3, beta)
+                + _normalised_abs(F64, z, A, kterms, g, eps, norms["scope"], 5, beta))
         return (models.attention.pair_sum(both, conv)[..., perm] * max(a, 1.0)).transpose(0, 1)
 
     Av = abs_terms(parts["v"], Hk, False).repeat_interleave(group, 0) * abs(conv.value_scale)
@@ -458,10 +486,13 @@ def conventions(model: Any, layer: int, x: Any, positions: Any, *,
                         spec.clip)
     after = spec.norm_after_rope  # the description's norms act on the rotated vectors
     if spec.family == "qknorm" and not after:  # the description's norms, before RoPE
-        q0 = kernel.rms_norm(q0, torch.as_tensor(weights.q_norm).to("cpu", F64), spec.norm_eps,
-                             spec.norm_scope)
-        k0 = kernel.rms_norm(k0, torch.as_tensor(weights.k_norm).to("cpu", F64), spec.norm_eps,
-                             spec.norm_scope)
+        def f64(a: Any) -> torch.Tensor | None:
+            return None if a is None else torch.as_tensor(a).to("cpu", F64)
+
+        q0 = kernel.qk_norm(q0, f64(weights.q_norm), spec.norm_eps, spec.norm_scope,
+                            spec.norm_kind, f64(weights.q_norm_bias))
+        k0 = kernel.qk_norm(k0, f64(weights.k_norm), spec.norm_eps, spec.norm_scope,
+                            spec.norm_kind, f64(weights.k_norm_bias))
     cs, sn = rope.rope_cos_sin(spec, pos, F64)  # (H or 1, n, d/2)
 
     def post(z: torch.Tensor, w: Any) -> torch.Tensor:  # norm after the rotation (Hunyuan)
@@ -633,7 +664,8 @@ def one_head(spec: HeadSpec, weights: HeadWeights, h: int) -> tuple[HeadSpec, He
                   alibi_slopes=None if spec.alibi_slopes is None else (spec.alibi_slopes[h],),
                   norm_eps=spec.norm_eps, latent=spec.latent, clip=spec.clip,
                   sinks=None if spec.sinks is None else (spec.sinks[h],), window=spec.window,
-                  chunk=spec.chunk, norm_after_rope=spec.norm_after_rope)
+                  chunk=spec.chunk, norm_after_rope=spec.norm_after_rope,
+                  norm_kind=spec.norm_kind)
 
     def sl(a: Any, i: int, axis: int) -> Any:
         if a is None:
@@ -641,8 +673,8 @@ def one_head(spec: HeadSpec, weights: HeadWeights, h: int) -> tuple[HeadSpec, He
         t = torch.as_tensor(a) if not isinstance(a, np.ndarray) else torch.from_numpy(a)
         return t.narrow(axis, i, 1).to("cpu", F64)
 
-    def gain(a: Any) -> Any:  # a per-head norm's gain (d,): shared by every head
-        if spec.family != "qknorm":
+    def gain(a: Any) -> Any:  # a per-head norm's gain or bias (d,): shared by every head
+        if spec.family != "qknorm" or a is None:
             return None
         return torch.as_tensor(a).to("cpu", F64)  # numpy or torch, any float dtype
 
@@ -659,7 +691,8 @@ def one_head(spec: HeadSpec, weights: HeadWeights, h: int) -> tuple[HeadSpec, He
     w1 = HeadWeights(w_q=sl(weights.w_q, h, 1), w_k=sl(weights.w_k, g, 1),
                      w_v=sl(weights.w_v, g, 1), b_q=sl(weights.b_q, h, 0),
                      b_k=sl(weights.b_k, g, 0), b_v=sl(weights.b_v, g, 0),
-                     q_norm=gain(weights.q_norm), k_norm=gain(weights.k_norm))
+                     q_norm=gain(weights.q_norm), k_norm=gain(weights.k_norm),
+                     q_norm_bias=gain(weights.q_norm_bias), k_norm_bias=gain(weights.k_norm_bias))
     return s1, w1
 
 
@@ -1113,7 +1146,8 @@ class _Attention64:
             if conv.clip is not None:  # the module's clip_qkv (DBRX), as its forward
                 z = z.clamp(-conv.clip, conv.clip)
             if norm is not None and self.norms is not None and not conv.norm_after_rope:
-                z = _apply_model_norm(z, *self.norms[norm], self.norms["scope"])
+                z = _apply_model_norm(z, *self.norms[norm], self.norms["scope"],
+                                      self.norms["bias"].get(norm))
             return z.transpose(0, 1)
 
         with torch.no_grad():

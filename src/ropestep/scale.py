@@ -56,7 +56,7 @@ import torch
 from . import lowrank
 from .direct import direct_query  # noqa: F401  (the paper-form reference beside this path)
 from .kernel import (FLOAT_DTYPES, LATENT_FIELDS, PBlocks, augmented_weight,  # noqa: F401
-                     clipped, compute_dtype, gauge_chunk, latent_qkv, rms_norm, softmax,
+                     clipped, compute_dtype, gauge_chunk, latent_qkv, qk_norm, rms_norm, softmax,
                      uniform_mean, unit_rows)
 from .rope import apply_rope, rope_cos_sin
 from .spec import HeadSpec, HeadWeights, _positions
@@ -185,8 +185,10 @@ def project_layer(spec: HeadSpec, weights: HeadWeights, x: Any, positions: Any =
         v = clipped(proj(weights.w_v, weights.b_v, Hk, r), spec.clip)
     after = spec.norm_after_rope  # the norms act on the rotated vectors (Hunyuan)
     if spec.family == "qknorm" and not after:
-        q = rms_norm(q, cast(weights.q_norm), spec.norm_eps, spec.norm_scope)
-        k = rms_norm(k, cast(weights.k_norm), spec.norm_eps, spec.norm_scope)
+        q = qk_norm(q, cast(weights.q_norm), spec.norm_eps, spec.norm_scope, spec.norm_kind,
+                    cast(weights.q_norm_bias))
+        k = qk_norm(k, cast(weights.k_norm), spec.norm_eps, spec.norm_scope, spec.norm_kind,
+                    cast(weights.k_norm_bias))
     elif spec.family == "cosine":
         q, k = unit_rows(q, "query"), unit_rows(k, "key")
     pt = torch.as_tensor(pos, device=xc.device)

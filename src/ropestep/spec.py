@@ -135,6 +135,10 @@ class HeadSpec:
     # "qknorm": the per-head norms act after the rotation (Hunyuan: RMSNorm of R(p) q with a
     # per-dim gain, which does not commute with the rotation), not before it (Qwen3)
     norm_after_rope: bool = False
+    # "qknorm": the norm's form -- "rms": g z / sqrt(mean z^2 + eps) (Qwen3, Gemma 3, ...);
+    # "layer": LayerNorm, g (z - mean z) / sqrt(var z + eps) + beta with a per-dim bias beta
+    # (weights q_norm_bias/k_norm_bias; Persimmon), per head, before the rotation
+    norm_kind: str = "rms"
 
     def __post_init__(self) -> None:
         validate_spec(self)
@@ -299,6 +303,12 @@ def validate_spec(spec: HeadSpec) -> None:
             raise ValueError("ALiBi slopes must be finite")
     if spec.norm_scope not in ("head", "all"):
         raise ValueError(f"norm_scope must be 'head' or 'all', got {spec.norm_scope!r}")
+    if spec.norm_kind not in ("rms", "layer"):
+        raise ValueError(f"norm_kind must be 'rms' or 'layer', got {spec.norm_kind!r}")
+    if spec.norm_kind == "layer" and not (spec.family == "qknorm" and spec.norm_scope == "head"
+                                          and not spec.norm_after_rope):
+        raise ValueError("norm_kind 'layer': per-head QK LayerNorm before the rotation (family "
+                         "'qknorm', scope 'head') only")
     if not (spec.norm_eps >= 0 and math.isfinite(spec.norm_eps)):
         raise ValueError(f"norm_eps must be finite and >= 0, got {spec.norm_eps}")
 
@@ -323,6 +333,8 @@ class HeadWeights:
     b_v: Any = None  # (Hk, r)
     q_norm: Any = None  # (d,) qknorm family
     k_norm: Any = None  # (d,)
+    q_norm_bias: Any = None  # (d,) qknorm family with norm_kind "layer" (LayerNorm's beta)
+    k_norm_bias: Any = None  # (d,)
     w_o: Any = None  # (H, r, hidden)
     b_o: Any = None  # (hidden,)
     # family "latent" (LatentSpec; w_q is then (q_in, H, d) with q_in = q_rank or m, and w_k,
@@ -369,6 +381,15 @@ class HeadWeights:
                 if _shape(a, name) != shp:
                     raise ValueError(f"{name} must have shape {shp}, got {_shape(a, name)}")
                 _finite(a, name)
+        for name in ("q_norm_bias", "k_norm_bias"):
+            a = getattr(self, name)
+            if a is None:
+                continue
+            if spec.norm_kind != "layer":
+                raise ValueError(f"{name} is a LayerNorm's bias: only with norm_kind 'layer'")
+            if _shape(a, name) != (d,):
+                raise ValueError(f"{name} must have shape {(d,)}, got {_shape(a, name)}")
+            _finite(a, name)
         self._check_w_o(H, r)
         return mm
 

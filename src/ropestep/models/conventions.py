@@ -104,6 +104,8 @@ class LayerConventions:
     chunk: int | None = None  # chunked attention: j // chunk == i // chunk besides j <= i
     # the first position whose query temperature is not 1 (Llama 4's NoPE layers), or None
     temperature_from: int | None = None
+    # QK-norm's form: "rms" (g z / rms z) or "layer" (LayerNorm with a bias: Persimmon)
+    norm_kind: str = "rms"
 
     @property
     def score_scale(self) -> float:
@@ -114,7 +116,7 @@ class LayerConventions:
         d = {k: getattr(self, k) for k in (
             "layer", "attention", "layout", "output", "rotary", "rotary_dim", "pairing", "tables",
             "amplitude", "scaling", "softcap", "window", "qk_norm", "norm_scope", "norm_eps",
-            "qkv_bias",
+            "norm_kind", "qkv_bias",
             "o_bias", "sinks", "output_direct", "sign", "order", "value_scale", "clip",
             "norm_after_rope", "chunk", "temperature_from")}
         d["score_scale"] = self.score_scale
@@ -390,6 +392,47 @@ def _norm_weight(norm: Any, d: int, what: str) -> tuple[torch.Tensor, float]:
     raise UnsupportedModelError(f"{what}: is not weight * z / rms(z) (RMSNorm convention)")
 
 
+def _layer_norm_weight(norm: Any, d: int, what: str
+                       ) -> tuple[torch.Tensor, torch.Tensor, float] | None:
+    """``(g, beta, eps)`` of a per-head LayerNorm with a bias (Persimmon), probed:
+    ``norm(z) = g (z - mean z) / sqrt(mean (z - mean z)^2 + eps) + beta`` on probe vectors, with
+    ``g`` and ``beta`` the module's own ``weight`` and ``bias``; None when the module has no
+    such weight and bias or does not act so (then it is read as an RMS norm, or refused)."""
+    eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
+    w, b = getattr(norm, "weight", None), getattr(norm, "bias", None)
+    if eps is None or not isinstance(w, torch.Tensor) or not isinstance(b, torch.Tensor) \
+            or w.numel() != d or b.numel() != d:
+        return None
+    gen = torch.Generator().manual_seed(0)
+    z = (torch.rand(4, d, generator=gen, dtype=F64) + 0.5) * torch.where(
+        torch.rand(4, d, generator=gen) < 0.5, -1.0, 1.0).to(F64)
+    with torch.no_grad():
+        got = norm(z.to(w.device, w.dtype)).to("cpu", F64)
+    zz = z.to(w.dtype).to(F64)
+    zc = zz - zz.mean(-1, keepdim=True)
+    zh = zc / torch.sqrt(zc.pow(2).mean(-1, keepdim=True) + float(eps))
+    g, beta = w.detach().to("cpu", F64).reshape(-1), b.detach().to("cpu", F64).reshape(-1)
+    # the RMS norm's rounding (see _norm_weight) once more for the mean, and the bias's addition
+    u = tl.unit_roundoff(w.dtype) if w.dtype != F64 else 2.0 ** -53
+    u_store = tl.STORAGE_ROUNDOFF.get(w.dtype, 0.0)
+    tol = ((2 * d + 10) * u + 4 * u_store) * (float((g.abs() * zh.abs()).max())
+                                             + float(beta.abs().max()) + 1.0)
+    if torch.allclose(got, g * zh + beta, rtol=0, atol=tol):
+        return g, beta, float(eps)
+    return None
+
+
+def _qk_norm_reading(norm: Any, d: int, what: str
+                     ) -> tuple[torch.Tensor, float, str, torch.Tensor | None]:
+    """``(g, eps, kind, beta)`` of a query/key norm: a LayerNorm with a bias (``"layer"``,
+    :func:`_layer_norm_weight`) or an RMS norm (``"rms"``, :func:`_norm_weight`, beta None)."""
+    layer = _layer_norm_weight(norm, d, what)
+    if layer is not None:
+        return layer[0], layer[2], "layer", layer[1]
+    g, eps = _norm_weight(norm, d, what)
+    return g, eps, "rms", None
+
+
 def _rel(a: torch.Tensor, ref: torch.Tensor) -> float:
     return float((a - ref).abs().max() / ref.abs().max().clamp_min(tl.SCALE_GUARD))
 
@@ -593,8 +636,8 @@ def _read_layer(model: Any, info: ModelInfo, L: int, r: AttentionRecord) -> Laye
         rot_name = match[0] + ("" if match[1] is None else f"(layer_type={match[1]!r})")
     # QK-norm
     norms = qk_norms(attn)
-    qk_norm, eps, scope = False, math.nan, "head"
-    gq = gk = None
+    qk_norm, eps, scope, norm_kind = False, math.nan, "head", "rms"
+    gq = gk = bq = bk = None
     if any(nm is not None for nm in norms):
         if any(nm is None for nm in norms):
             raise UnsupportedModelError(f"{who}: layer {L} normalises only one of q and k")
@@ -607,11 +650,18 @@ def _read_layer(model: Any, info: ModelInfo, L: int, r: AttentionRecord) -> Laye
             raise UnsupportedModelError(
                 f"{who}: layer {L}'s q/k norms act on {sizes} features: neither one head "
                 f"({d}) nor every head ({H * d}, {Hk * d})")
-        (gq, eq), (gk, ek) = (_norm_weight(nm, d if sz is None else sz, f"{who}: layer {L} {w}")
-                              for nm, sz, w in zip(norms, sizes, ("q norm", "k norm")))
+        (gq, eq, kq, bq), (gk, ek, kk, bk) = (
+            _qk_norm_reading(nm, d if sz is None else sz, f"{who}: layer {L} {w}")
+            for nm, sz, w in zip(norms, sizes, ("q norm", "k norm")))
         if eq != ek:
             raise UnsupportedModelError(f"{who}: layer {L} q_norm eps {eq} != k_norm eps {ek}")
-        qk_norm, eps = True, eq
+        if kq != kk:
+            raise UnsupportedModelError(f"{who}: layer {L}: its q norm is a {kq} norm, its k "
+                                        f"norm a {kk} norm (not modelled)")
+        if kq == "layer" and scope != "head":
+            raise UnsupportedModelError(f"{who}: layer {L}: a LayerNorm over every head of a "
+                                        "token (not modelled: per-head LayerNorm only)")
+        qk_norm, eps, norm_kind = True, eq, kq
         if scope == "all":
             gq, gk = gq.view(H, d), gk.view(Hk, d)
     # projections: the (layout, rotation) that reproduces the layer's own tensors
@@ -630,13 +680,15 @@ def _read_layer(model: Any, info: ModelInfo, L: int, r: AttentionRecord) -> Laye
     if is_latent(attn):  # multi-head latent attention: read in the absorbed form (section 14)
         chosen, latent = _read_latent(attn, x64, model_q, model_k, model_v, forms, cos, sin, a,
                                       mdt, H, d, rv, who, L)
-    orders = (False, True) if gq is not None and scope == "head" else (False,)
+    orders = (False, True) if gq is not None and scope == "head" and norm_kind == "rms" \
+        else (False,)
     for lname, parts in ({} if latent else layout_candidates(attn, H, Hk, d, rv)).items():
         for (form, pairing, sgn, Rr, ct, st), after in (
                 (rot_, o) for o in orders for rot_ in _rotations(forms, cos, sin)):
             ok, worst = True, []
-            for nm, heads, dim, ref, g in (("q", H, d, model_q, gq), ("k", Hk, d, model_k, gk),
-                                           ("v", Hk, rv, model_v, None)):
+            for nm, heads, dim, ref, g, beta in (("q", H, d, model_q, gq, bq),
+                                                 ("k", Hk, d, model_k, gk, bk),
+                                                 ("v", Hk, rv, model_v, None, None)):
                 W, b = parts[nm]
                 if nm == "v" and vscale != 1.0:  # the module scales its values (MiMo-V2)
                     W, b = W * vscale, (None if b is None else b * vscale)
@@ -656,11 +708,20 @@ def _read_layer(model: Any, info: ModelInfo, L: int, r: AttentionRecord) -> Laye
                     # first-order propagation of E
                     red = (-1,) if scope == "head" else (-2, -1)
                     nn_ = dim if scope == "head" else dim * heads
+                    reps = 1
+                    if beta is not None:  # LayerNorm: centred first (|d(z - mean z)| <=
+                        # |dz| + max |dz|), its mean one more rounded reduction
+                        z = z - z.mean(red, keepdim=True)
+                        E = E + E.amax(red, keepdim=True)
+                        reps = 2
                     rms = torch.sqrt(z.pow(2).mean(red, keepdim=True) + eps)
                     zh = z / rms
                     E = g.abs() * (E / rms + zh.abs() * (E.amax(red, keepdim=True) / rms)) \
-                        + (math.sqrt(nn_) * tl.HM_LAMBDA + 8) * u * (g.abs() * zh.abs())
+                        + (reps * math.sqrt(nn_) * tl.HM_LAMBDA + 8) * u * (g.abs() * zh.abs())
                     z = g * zh
+                    if beta is not None:  # the bias, and the rounding of its addition
+                        z = z + beta
+                        E = E + 2 * u * z.abs()
                 if nm != "v" and not after:
                     z = _rotate(z, ct[:, None], st[:, None], pairing)
                     E = _partner(E, Rr, pairing) * max(a, 1.0)
@@ -768,7 +829,7 @@ def _read_layer(model: Any, info: ModelInfo, L: int, r: AttentionRecord) -> Laye
         rotary=rot_name if Rr else None, rotary_dim=Rr, pairing=pairing, tables=form,
         amplitude=a,
         scaling=scaling, softcap=softcap, window=window, chunk=chunk, qk_norm=qk_norm,
-        norm_scope=scope, norm_eps=eps, temperature_from=temp_from,
+        norm_scope=scope, norm_eps=eps, temperature_from=temp_from, norm_kind=norm_kind,
         qkv_bias=(parts["q"][1] is not None if parts is not None
                   else attn.kv_a_proj_with_mqa.bias is not None),
         o_bias=out_lin.bias is not None, sinks=sinks,
@@ -1344,12 +1405,20 @@ def layer_head(model: Any, layer: int, n_positions: int, *, dtype: torch.dtype =
         if conv.qk_norm:
             full = conv.norm_scope == "all"
             qn, kn = qk_norms(attn)
-            gq, _ = _norm_weight(qn, H * d if full else d, f"{who}: layer {layer} q norm")
-            gk, _ = _norm_weight(kn, Hk * d if full else d, f"{who}: layer {layer} k norm")
+            gq, _, kq, bq = _qk_norm_reading(qn, H * d if full else d,
+                                             f"{who}: layer {layer} q norm")
+            gk, _, kk, bk = _qk_norm_reading(kn, Hk * d if full else d,
+                                             f"{who}: layer {layer} k norm")
+            if (kq, kk) != (conv.norm_kind,) * 2:
+                raise UnsupportedModelError(f"{who}: layer {layer}'s q/k norms read as {kq}/{kk}, "
+                                            f"described as {conv.norm_kind}")
             if full:
                 gq, gk = gq.view(H, d), gk.view(Hk, d)
             weights.q_norm = gq[..., perm].to(device=device, dtype=dtype)
             weights.k_norm = gk[..., perm].to(device=device, dtype=dtype)
+            if conv.norm_kind == "layer":  # LayerNorm's bias, in the same head-dim order
+                weights.q_norm_bias = bq[..., perm].to(device=device, dtype=dtype)
+                weights.k_norm_bias = bk[..., perm].to(device=device, dtype=dtype)
             norm_eps = conv.norm_eps
     freqs = None  # the rotary module's own frequencies (0 on pass-through pairs)
     if conv.rotary_dim == 0 or conv.inv_freq:
@@ -1363,7 +1432,8 @@ def layer_head(model: Any, layer: int, n_positions: int, *, dtype: torch.dtype =
                       cos=cos.to(dtype), sin=sin.to(dtype), freqs=freqs),
         family="qknorm" if conv.qk_norm else "dot", scale=conv.score_scale,
         softcap=conv.softcap, norm_eps=norm_eps, window=conv.window, chunk=conv.chunk,
-        norm_scope=conv.norm_scope if conv.qk_norm else "head")
+        norm_scope=conv.norm_scope if conv.qk_norm else "head",
+        norm_kind=conv.norm_kind if conv.qk_norm else "rms")
     weights.check(spec, m)
     return spec, weights
 
