@@ -356,6 +356,18 @@ def _norm_size(norm: Any) -> int | None:
     return None if p is None else int(p.numel())
 
 
+def _probe_norm(norm: Any, d: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The norm's output on four fixed probe vectors of ``d`` entries (magnitudes 0.5..1.5,
+    random signs) given in ``like``'s dtype and device, and those inputs as the module saw them;
+    both float64 on the CPU."""
+    gen = torch.Generator().manual_seed(0)
+    z = (torch.rand(4, d, generator=gen, dtype=F64) + 0.5) * torch.where(
+        torch.rand(4, d, generator=gen) < 0.5, -1.0, 1.0).to(F64)
+    with torch.no_grad():
+        got = norm(z.to(like.device, like.dtype)).to("cpu", F64)
+    return got, z.to(like.dtype).to(F64)
+
+
 def _norm_weight(norm: Any, d: int, what: str) -> tuple[torch.Tensor, float]:
     """``(g, eps)`` of a per-head RMS norm, probed: ``norm(z) = g z / sqrt(mean(z^2) + eps)``."""
     eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
@@ -370,12 +382,7 @@ def _norm_weight(norm: Any, d: int, what: str) -> tuple[torch.Tensor, float]:
     if p.numel() != d:  # a reading whose norm scope the module does not have
         raise UnsupportedModelError(f"{what}: the module normalises {p.numel()} values, the "
                                     f"reading {d} (norm scope read wrong)")
-    gen = torch.Generator().manual_seed(0)
-    z = (torch.rand(4, d, generator=gen, dtype=F64) + 0.5) * torch.where(
-        torch.rand(4, d, generator=gen) < 0.5, -1.0, 1.0).to(F64)
-    with torch.no_grad():
-        got = norm(z.to(p.device, p.dtype)).to("cpu", F64)
-    zz = z.to(p.dtype).to(F64)
+    got, zz = _probe_norm(norm, d, p)
     r = torch.sqrt(zz.pow(2).mean(-1, keepdim=True) + float(eps))
     g_rows = got * r / zz  # (4, d): the same g in every row for an RMS norm
     w = p.detach().to("cpu", F64).reshape(-1)
@@ -403,12 +410,7 @@ def _layer_norm_weight(norm: Any, d: int, what: str
     if eps is None or not isinstance(w, torch.Tensor) or not isinstance(b, torch.Tensor) \
             or w.numel() != d or b.numel() != d:
         return None
-    gen = torch.Generator().manual_seed(0)
-    z = (torch.rand(4, d, generator=gen, dtype=F64) + 0.5) * torch.where(
-        torch.rand(4, d, generator=gen) < 0.5, -1.0, 1.0).to(F64)
-    with torch.no_grad():
-        got = norm(z.to(w.device, w.dtype)).to("cpu", F64)
-    zz = z.to(w.dtype).to(F64)
+    got, zz = _probe_norm(norm, d, w)
     zc = zz - zz.mean(-1, keepdim=True)
     zh = zc / torch.sqrt(zc.pow(2).mean(-1, keepdim=True) + float(eps))
     g, beta = w.detach().to("cpu", F64).reshape(-1), b.detach().to("cpu", F64).reshape(-1)
