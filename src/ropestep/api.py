@@ -284,7 +284,13 @@ def load(source: str, *, gguf: str | None = None, revision: str | None = None,
          ) -> "Attached":
     """Load a model (hub id, local directory or ``.gguf`` file, as the commands do:
     :func:`ropestep.models.load_model`) with its tokenizer and attach to it.  ``"smollm2"`` is
-    the packaged SmolLM2-135M-Instruct GGUF (Q4_1, de-quantised)."""
+    the packaged SmolLM2-135M-Instruct GGUF (Q4_1, de-quantised).
+
+    >>> import ropestep
+    >>> lab = ropestep.load("smollm2")
+    >>> len(lab.layers), lab.info.n_heads, lab.info.n_kv_heads
+    (30, 9, 3)
+    """
     import os
 
     if not isinstance(source, (str, os.PathLike)):
@@ -316,7 +322,13 @@ class Attached:
 
     @property
     def others(self) -> dict[int, str]:
-        """Layers that are not softmax attention, each with the reason."""
+        """Layers that are not softmax attention, each with the reason (a hybrid's linear,
+        convolution or state-space layers; empty for a plain transformer).
+
+        >>> import ropestep, ropestep.archzoo as zoo
+        >>> ropestep.attach(zoo.build("llama")).others
+        {}
+        """
         return dict(self.info.others)
 
     def conventions(self, layer: int) -> models.LayerConventions:
@@ -343,7 +355,12 @@ class Attached:
         return L
 
     def encode(self, prompt: Any) -> torch.Tensor:
-        """Token ids ``(n,)`` of a text (tokenizer, no special tokens added) or of given ids."""
+        """Token ids ``(n,)`` of a text (tokenizer, no special tokens added) or of given ids.
+
+        >>> import ropestep, ropestep.archzoo as zoo
+        >>> ropestep.attach(zoo.build("llama")).encode([[3, 4, 5]])
+        tensor([3, 4, 5])
+        """
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ApiError("a text prompt needs a tokenizer: attach(model, tokenizer) or "
@@ -637,11 +654,19 @@ class HeadStep:
 
     @property
     def self_mass(self) -> float:
-        """The attention weight on the query's own key (the last key it reads)."""
+        """The attention weight on the query's own key (the last key it reads).
+
+        >>> import torch, ropestep, ropestep.archzoo as zoo
+        >>> st = ropestep.attach(zoo.build("llama")).run(torch.arange(8), layers=0)[0].step(1, 5)
+        >>> 0.0 < st.self_mass < 1.0, st.failures  # the step's checks: none failed
+        (True, [])
+        """
         return float(self.softmax[-1])
 
     @property
     def failures(self) -> list[str]:
+        """Each failed check of the step (identity, native) with its error and bound; NaN or
+        inf is a failure, said as such (example: :attr:`self_mass`)."""
         out = []
         for name, e, b in (("identity", self.identity_error, self.identity_bound),
                            ("native", self.native_error, self.native_bound)):
@@ -719,6 +744,14 @@ class LayerCheck:
 
     @property
     def failures(self) -> list[str]:
+        """Each head whose checks failed, with the failed checks' names, then the layer's errors
+        (overflow and the like).
+
+        >>> import torch, ropestep, ropestep.archzoo as zoo
+        >>> lr = ropestep.attach(zoo.build("llama")).run(torch.arange(12), layers=1)[1]
+        >>> lr.check(anchor_every=4).failures
+        []
+        """
         out = [f"layer {self.layer} head {h['head']}: " + ", ".join(
             k for k, v in h["checks"].items() if not v) for h in self.summary["heads"]
             if not h["passed"]]
@@ -801,7 +834,14 @@ class LayerRun:
     # -- the layer's description -----------------------------------------------------------
     @property
     def head_description(self) -> tuple[HeadSpec, HeadWeights]:
-        """``(spec, weights)`` of the layer in the math layout, float64 (built once)."""
+        """``(spec, weights)`` of the layer in the math layout, float64 (built once), with the
+        model's RoPE tables for the run's positions; :attr:`spec`, :attr:`weights` its parts.
+
+        >>> import torch, ropestep, ropestep.archzoo as zoo
+        >>> lr = ropestep.attach(zoo.build("qwen3")).run(torch.arange(6), layers=0)[0]
+        >>> lr.spec.family, lr.space, lr.input_space_reason.split(",")[0]
+        ('qknorm', 'query', "not defined: its 'qknorm' score normalises the query")
+        """
         if self._spec is None:
             if self._state and _weights_state(self.attached.model, self.layer) != self._state:
                 raise ApiError(f"layer {self.layer}'s weights changed since this prompt ran: "
@@ -813,10 +853,12 @@ class LayerRun:
 
     @property
     def spec(self) -> HeadSpec:
+        """The layer's :class:`~ropestep.spec.HeadSpec` (:attr:`head_description`)."""
         return self.head_description[0]
 
     @property
     def weights(self) -> HeadWeights:
+        """The layer's float64 :class:`~ropestep.spec.HeadWeights` (:attr:`head_description`)."""
         return self.head_description[1]
 
     @property
@@ -830,7 +872,8 @@ class LayerRun:
 
     @property
     def input_space_reason(self) -> str | None:
-        """Why the input-space objects do not exist on this layer (None where they do)."""
+        """Why the input-space objects do not exist on this layer (None where they do; example:
+        :attr:`head_description`)."""
         s = self.spec
         if s.affine:
             return None
