@@ -104,3 +104,63 @@ def test_persimmon_is_read_as_a_layer_norm_and_each_wrong_reading_fails():
         lr._spec, lr._head_cache, lr._check = desc, {}, {}
         assert not lr.check(anchor_every=8).passed, what
         assert not lr.step(2, -1).passed, what
+
+
+def test_normalised_bound_covers_float32_layer_norm():
+    """realchecks._normalised_abs with a LayerNorm's bias against a float32 projection and
+    ``torch.nn.functional.layer_norm`` (as Persimmon's module computes it) of random inputs, with
+    a common offset of the projected entries up to 50x their spread: every entry within the
+    bound, and the bound not loose by more than 100x on the power cases (non-negative inputs and
+    weights: the projection's partial sums as large as they can be) -- measured 0.024-0.040
+    there; a bound 10x looser fails this test."""
+    from ropestep import realchecks as rc
+
+    gen = torch.Generator().manual_seed(1)
+    n, Hh, d, m, eps = 16, 4, 32, 128, 1e-5
+    ratios = {}
+    for offset in (0.0, 5.0, 50.0):
+        for trial in range(4):
+            x = torch.randn(n, m, generator=gen).float()
+            W = (torch.randn(Hh * d, m, generator=gen) * (0.1 if trial % 2 else 1.0)).float()
+            if trial % 2 == 0:  # power: non-negative terms, the partial sums as large as can be
+                x, W = x.abs(), W.abs()
+            b = (torch.full((Hh * d,), offset) + torch.randn(Hh * d, generator=gen)).float()
+            g = (1.0 + 0.3 * torch.randn(d, generator=gen)).float()
+            beta = (0.5 * torch.randn(d, generator=gen)).float()
+            z32 = (x @ W.T + b).view(n, Hh, d)
+            y32 = torch.nn.functional.layer_norm(z32, (d,), g, beta, eps)
+            z = (x.double() @ W.double().T + b.double()).view(n, Hh, d)
+            A = (x.double().abs() @ W.double().abs().T + b.double().abs()).view(n, Hh, d)
+            y = rc._apply_model_norm(z, g.double(), eps, "head", beta.double())
+            bound = rc._normalised_abs(torch.float32, z, A, m + 1, g.double(), eps, "head", 0,
+                                       beta.double())
+            ratios[offset, trial] = float(((y32.double() - y).abs() / bound).max())
+    print("err / bound:", {k: round(v, 4) for k, v in ratios.items()})
+    assert max(ratios.values()) <= 1.0
+    assert max(v for (_, t), v in ratios.items() if t % 2 == 0) > 0.01
+
+
+@pytest.mark.model
+def test_a_common_offset_of_the_projections_is_no_false_failure():
+    """Persimmon with every query and key bias shifted by 3e4 (a correct model: the LayerNorm
+    centres the offset away, but the float32 projection's rounding of 3e4 stays): the real
+    checks' count-based tolerances carry the centring's gain (realchecks.centring_gain), so the
+    position derivative's anchor still passes; without a shift the tolerance stays at the RMS
+    form's size (the check keeps its power)."""
+    from ropestep import api, archzoo, realchecks as rc
+
+    tols = {}
+    for off in (0.0, 3e4):
+        m = archzoo.build("persimmon")
+        H, d = m.config.num_attention_heads, m.config.hidden_size // m.config.num_attention_heads
+        with torch.no_grad():
+            for blk in m.model.layers:
+                bias = blk.self_attn.query_key_value.bias.view(H, 3, d)
+                bias[:, :2] += off
+        lr = api.attach(m).run(torch.randint(0, archzoo.VOCAB, (24,),
+                                             generator=torch.Generator().manual_seed(0)),
+                               layers=0)[0]
+        res = rc.position_derivative(m, 0, lr.x, lr.positions, [5, 20], heads=lr.native)
+        assert res["ok"] and res["anchor"]["ok"], (off, res["anchor"])
+        tols[off] = res["anchor"]["tolerance"]
+    assert tols[0.0] < 2e-3 < tols[3e4]

@@ -263,6 +263,10 @@ def test_a_resumed_context_is_read_not_recomputed(model_dir, tmp_path, monkeypat
     state.save_tree("context1", tree, protocol.RUN_CLASSES)
     calls = []
     monkeypatch.setattr(contextcheck, "evaluate_layer", lambda *a, **k: calls.append(a))
+    # the patch reaches validate's evaluation: the command evaluates through the library's
+    # CandidateRun.evaluate, which looks evaluate_layer up on this module at call time
+    from ropestep import api
+    assert api.contextcheck is contextcheck
     assert cli.main([*argv, "--resume"]) == 0
     assert calls == []
     got = json.loads((out / "report.json").read_text())

@@ -143,7 +143,7 @@ def _eager(model: Any) -> Iterator[None]:
                        "attn_implementation='eager'")
     model.set_attn_implementation("eager")
     try:
-        if getattr(model.config, "_attn_implementation", None) != "eager":
+        if _impl_tree(model.config) != "eager":
             raise ApiError(f"{models.structure.model_name(model)} uses attention implementation "
                            f"{impl!r} and did not switch to 'eager'; load it with "
                            "attn_implementation='eager'")
@@ -390,11 +390,12 @@ class Attached:
             raise ApiError(f"token id {int(bad[0])} out of range: the vocabulary has {vocab} ids")
         return ids
 
-    def head_description(self, layer: int, n_positions: int, *, device: Any = None
+    def head_description(self, layer: int, n_positions: int, *, device: Any = "cpu"
                          ) -> tuple[HeadSpec, HeadWeights]:
-        """``(spec, weights)`` of ``layer`` in the math layout, float64, with the model's own
-        RoPE tables for positions ``0..n_positions-1``: the weights alone, no forward (what
-        ``ropestep heads`` diagnoses and every step and check computes from).
+        """``(spec, weights)`` of ``layer`` in the math layout, float64 on ``device`` (the CPU
+        by default, whatever device the model is on), with the model's own RoPE tables for
+        positions ``0..n_positions-1``: the weights alone, no forward (what ``ropestep heads``
+        diagnoses and every step and check computes from).
 
         >>> import ropestep, ropestep.archzoo as zoo
         >>> spec, w = ropestep.attach(zoo.build("llama")).head_description(0, 16)
@@ -461,7 +462,9 @@ class Attached:
         corpus :class:`~ropestep.corpus.Block`), then every candidate token at the block's last
         position on the prefix's KV cache, so each sees exactly the prefix and itself.
         ``candidates``: token ids, or a function of the prefix's logits returning them.
-        Returns a :class:`CandidateRun`.
+        The first candidate must be the block's own last token (the observed one): its row is
+        checked against the block forward's write at that position.  Returns a
+        :class:`CandidateRun`.
 
         >>> import torch, ropestep, ropestep.archzoo as zoo
         >>> lab = ropestep.attach(zoo.build("llama"))
@@ -479,8 +482,13 @@ class Attached:
         if ids.numel() < 2:
             raise ApiError("a block needs at least 2 tokens (a prefix and the observed token)")
         Ls = self._layer_list(layers)
+        observed = int(ids[-1])
         if not callable(candidates):
             cands = self.encode(candidates)
+            if int(cands[0]) != observed:
+                raise ApiError(f"the first candidate must be the block's last token {observed} "
+                               f"(its row is checked against the block's own forward), got "
+                               f"{int(cands[0])}")
             candidates = cands.tolist()
         ctx = self.info.max_positions
         if ctx and ids.numel() > int(ctx):
@@ -489,6 +497,10 @@ class Attached:
         with _eager(self.model):
             self.info = models.describe_model(self.model)
             bc = models.capture_block(self.model, ids, Ls, candidates)
+        if int(bc.candidates[0]) != observed:
+            raise ApiError(f"the candidates function must put the block's last token {observed} "
+                           f"first (its row is checked against the block's own forward), got "
+                           f"{int(bc.candidates[0])}")
         src = block if is_block else Block(article=-1, start=0, n_tokens=int(ids.numel()),
                                            ids=tuple(int(t) for t in ids))
         return CandidateRun(self, src, bc, Ls)
@@ -1088,26 +1100,31 @@ class LayerRun:
         :func:`~ropestep.layercheck.summarise_layer` -- the numbers and verdict ``ropestep atlas``
         gives on these tokens.  ``dtype``: the low-precision pass's dtype (default: the model's,
         float32 for a float64 model)."""
-        if _int(anchor_every, "anchor_every") < 1:
-            raise ApiError(f"anchor_every must be a positive int, got {anchor_every!r}")
-        anchor_every = int(anchor_every)
-        if device is not None:
-            from .verdict import device_problem
-
-            why = device_problem(device)
-            if why is not None:
-                raise ApiError(why.replace("--device", "device"))
         lp = dtype if dtype is not None else (self.x.dtype if self.x.dtype != F64
                                               else torch.float32)
-        if lp not in (torch.float32, torch.bfloat16, torch.float16):
-            raise ApiError(f"dtype must be a torch.dtype: torch.float32, torch.bfloat16 or "
-                           f"torch.float16, got {lp!r}")
+        anchor_every, lp = self._evaluation_args(anchor_every, lp, device)
         key = (anchor_every, lp, str(device))
         if key not in self._check:
             res = self.evaluate(dtype=lp, anchor_every=anchor_every, device=device)
             summ = layercheck.summarise_layer([res], self.spec, int(self.x.shape[1]), self.n, lp)
             self._check[key] = LayerCheck(self.layer, res, summ)
         return self._check[key]
+
+    @staticmethod
+    def _evaluation_args(anchor_every: Any, lp: Any, device: Any) -> tuple[int, torch.dtype]:
+        """The layer evaluation's arguments checked: one :class:`ApiError` naming a bad one."""
+        if _int(anchor_every, "anchor_every") < 1:
+            raise ApiError(f"anchor_every must be a positive int, got {anchor_every!r}")
+        if device is not None:
+            from .verdict import device_problem
+
+            why = device_problem(device)
+            if why is not None:
+                raise ApiError(why.replace("--device", "device"))
+        if lp not in (torch.float32, torch.bfloat16, torch.float16):
+            raise ApiError(f"dtype must be a torch.dtype: torch.float32, torch.bfloat16 or "
+                           f"torch.float16, got {lp!r}")
+        return int(anchor_every), lp
 
     def evaluate(self, *, dtype: torch.dtype = torch.float32, anchor_every: int = 64,
                  max_bytes: int = scale.DEFAULT_MAX_BYTES, device: Any = None,
@@ -1125,6 +1142,7 @@ class LayerRun:
         >>> res.arrays["id_abs"].shape  # (heads, queries)
         (4, 12)
         """
+        anchor_every, dtype = self._evaluation_args(anchor_every, dtype, device)
         spec, w = self.head_description
         if final_query_only:
             return layercheck.final_query_only(spec, w, self.x, self.positions, self.layer,

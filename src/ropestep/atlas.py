@@ -227,7 +227,10 @@ def run(cfg: AtlasConfig, *, progress: bool = True, command: Sequence[str] | Non
             continue
         ids = torch.tensor(blocks[c].ids)
         ts = time.perf_counter()
-        caps = lab.run(ids, layers=my_layers, stop_early=False)
+        try:
+            caps = lab.run(ids, layers=my_layers, stop_early=False)
+        except api.ApiError as err:
+            raise AtlasError(str(err)) from None
         timers["model_forward"] = timers.get("model_forward", 0.0) + time.perf_counter() - ts
         for L in my_layers:
             lr = caps[L]
@@ -236,9 +239,12 @@ def run(cfg: AtlasConfig, *, progress: bool = True, command: Sequence[str] | Non
             if dump_raw is not None:
                 protocol.dump_layer(dump_raw, L, spec, w)  # once per layer
                 dump_item(dump_raw, c, L, lr)
-            res = lr.evaluate(dtype=lp, anchor_every=cfg.anchor_every, max_bytes=cfg.max_bytes,
-                              device=cfg.device, timers=timers,
-                              final_query_only=cfg.replication_only)
+            try:
+                res = lr.evaluate(dtype=lp, anchor_every=cfg.anchor_every,
+                                  max_bytes=cfg.max_bytes, device=cfg.device, timers=timers,
+                                  final_query_only=cfg.replication_only)
+            except api.ApiError as err:
+                raise AtlasError(str(err)) from None
             done.append((c, L, res))
             if state is not None:
                 state.save(_item_key(c, L), *_result_to_arrays(res, c, specs[L][1]))

@@ -163,10 +163,14 @@ def qk_norm(x: torch.Tensor, w: torch.Tensor, eps: float, scope: str = "head",
     """A head's query/key norm (``HeadSpec.norm_kind``): :func:`rms_norm` (``"rms"``), or
     LayerNorm over each head's last dim (``"layer"``, Persimmon):
     ``(x - mean x) / sqrt(mean (x - mean x)^2 + eps) * w + bias``."""
-    if kind == "layer":
+    if kind == "layer":  # per head only (HeadSpec refuses a LayerNorm over every head)
+        if scope != "head":
+            raise ValueError("a QK LayerNorm acts per head (norm_scope 'head')")
         xc = x - x.mean(-1, keepdim=True)
         out = xc * torch.rsqrt((xc * xc).mean(-1, keepdim=True) + eps) * w
         return out if bias is None else out + bias
+    if bias is not None:
+        raise ValueError("an RMS norm has no bias (norm_kind 'layer' for a LayerNorm)")
     return rms_norm(x, w, eps, scope)
 
 

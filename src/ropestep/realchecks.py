@@ -212,7 +212,8 @@ def _device_dtype(model: Any) -> tuple[Any, torch.dtype]:
 # ---------------------------------------------------------------------------------------------
 def _model_norms(model: Any, layer: int, info: models.ModelInfo, conv: Any) -> dict | None:
     """The layer's own ``q_norm``/``k_norm`` as the model applies them, or None without QK-norm:
-    ``{"scope": "head" | "all", "q": (g, eps), "k": (g, eps)}`` with the gain ``g`` in the
+    ``{"scope": "head" | "all", "q": (g, eps), "k": (g, eps), "bias": {"q": beta, "k": beta}}``
+    (``beta`` a LayerNorm's bias, None for an RMS norm) with the gain ``g`` in the
     model's head-dim order, float64 -- ``(d,)`` for a norm over each head's features after the
     projection's reshape (Qwen3, Gemma 3), ``(heads, d)`` for one over the whole projection of a
     token before it (OLMo 2: ``heads * d`` features).  ``g`` is probed from the module's action
@@ -291,9 +292,10 @@ def _normalised_abs(dtype: torch.dtype, z: torch.Tensor, A: torch.Tensor, n_term
 
     A LayerNorm with a bias ``beta`` (Persimmon: ``y = g (z - mean z) / r(z - mean z) + beta``,
     per head): the side centres ``z^`` with its own computed mean, whose error is at most
-    ``mean(E)`` (the inputs') plus ``(HM_LAMBDA sqrt(n) + 2) u_acc max(|z| + E)`` (the rounded
-    sum of ``n`` terms and the division), and rounds the subtraction (``u_acc (|z| + E)``); so
-    the centred vector carries ``E_c = E + mean(E) + (HM_LAMBDA sqrt(n) + 3) u_acc max(|z| + E)``
+    ``mean(E)`` (the inputs') plus ``(HM_LAMBDA sqrt(n) + 1) u_acc max(|z| + E)`` (the rounded
+    sum of ``n`` terms and the division), and rounds the subtraction (at most
+    ``2 u_acc max(|z| + E)``: the difference of two such numbers); so the centred vector carries
+    ``E_c = E + mean(E) + (HM_LAMBDA sqrt(n) + 3) u_acc max(|z| + E)``
     and the RMS step above applies to ``z - mean z`` with ``E_c``.  The bias's addition rounds
     once more and is stored: ``(u_acc + u_store) Y'`` with ``Y' = Y + |beta|`` bounding the
     output, which also carries the rotation's roundings.
@@ -320,7 +322,31 @@ def _normalised_abs(dtype: torch.dtype, z: torch.Tensor, A: torch.Tensor, n_term
     return En + roundings * u_store * Y
 
 
-def _norm_terms(info: models.ModelInfo, conv: Any, spec: HeadSpec | None) -> int:
+def centring_gain(z: torch.Tensor) -> float:
+    """``max |z| / rms(z - mean z)`` over the rows of raw per-head projections ``z (..., d)``
+    (at least 1): how much a LayerNorm's centring magnifies an error relative to ``|z|`` (a
+    common offset of the entries cancels in ``z - mean z``, their rounding does not)."""
+    zc = z - z.mean(-1, keepdim=True)
+    r = zc.pow(2).mean(-1, keepdim=True).sqrt().clamp_min(tl.SCALE_GUARD)
+    return max(1.0, float((z.abs().amax(-1, keepdim=True) / r).max()))
+
+
+def _head_centring_gain(spec: HeadSpec, weights: HeadWeights, x64: torch.Tensor) -> float:
+    """:func:`centring_gain` of a LayerNorm head description's raw queries and keys on
+    ``x64 (n, m)`` (1 for every other head)."""
+    if spec.family != "qknorm" or spec.norm_kind != "layer":
+        return 1.0
+
+    def raw(w: Any, b: Any) -> torch.Tensor:
+        z = torch.einsum("nm,mhd->hnd", x64, torch.as_tensor(w).to("cpu", F64))
+        return z if b is None else z + torch.as_tensor(b).to("cpu", F64)[:, None]
+
+    return max(centring_gain(raw(weights.w_q, weights.b_q)),
+               centring_gain(raw(weights.w_k, weights.b_k)))
+
+
+def _norm_terms(info: models.ModelInfo, conv: Any, spec: HeadSpec | None,
+                gain: float = 1.0) -> int:
     """The ``hidden`` count handed to :func:`ropestep.tolerances.agreement_rel_tol` (and
     :func:`~ropestep.tolerances.position_eval_abs`, :func:`~ropestep.tolerances.native_rel_tol`)
     for this layer: ``m`` for an affine head; ``2 m + n + 8`` where either side normalises q and
@@ -332,18 +358,31 @@ def _norm_terms(info: models.ModelInfo, conv: Any, spec: HeadSpec | None) -> int
     entry times the error's RMS over the RMS (a second ``gamma_m`` of the normalised entry) plus
     the norm's own ``n`` squares summed, the square root and the products (``n / 2 + 4`` roundings
     first order, counted as ``n + 8``): ``m + (m + n + 8)`` in all, per side, each side's errors
-    inside the margin as before."""
+    inside the margin as before.
+
+    A LayerNorm (``norm_kind "layer"``) first centres each head's projection: the centred
+    entry's error is the projected entries' (``gamma_m`` of ``|z|``) plus the mean's ``n``
+    roundings, now relative to ``rms(z - mean z)``, which a common offset of the entries can make
+    far smaller than ``|z|``.  So the norm's part is magnified by ``gain`` =
+    :func:`centring_gain` (``max |z| / rms(z - mean z)``, measured on the layer's own
+    projections) and counts the centring's ``n + 2`` roundings too:
+    ``m + ceil(gain (m + 2 n + 10))``."""
     qk = conv.qk_norm or (spec is not None and spec.family == "qknorm")
     if not qk:
         return int(conv.input_dim or info.hidden)
     full = conv.norm_scope == "all" or (spec is not None and spec.norm_scope == "all")
     n = info.n_heads * info.head_dim if full else info.head_dim
-    return _qk_norm_count(int(conv.input_dim or info.hidden), n)
+    layer = getattr(conv, "norm_kind", "rms") == "layer" or (
+        spec is not None and spec.norm_kind == "layer")
+    return _qk_norm_count(int(conv.input_dim or info.hidden), n, gain if layer else None)
 
 
-def _qk_norm_count(m: int, n: int) -> int:
-    """:func:`_norm_terms` of a QK-norm layer: ``2 m + n + 8`` for ``m`` inputs and a norm over
-    ``n`` features."""
+def _qk_norm_count(m: int, n: int, gain: float | None = None) -> int:
+    """:func:`_norm_terms` of a QK-norm layer: ``2 m + n + 8`` for ``m`` inputs and an RMS norm
+    over ``n`` features; ``m + ceil(gain (m + 2 n + 10))`` for a LayerNorm whose centring
+    magnifies errors by ``gain`` (:func:`centring_gain`)."""
+    if gain is not None:
+        return int(m) + int(math.ceil(gain * (int(m) + 2 * int(n) + 10)))
     return 2 * int(m) + int(n) + 8
 
 
@@ -365,8 +404,9 @@ def conventions(model: Any, layer: int, x: Any, positions: Any, *,
     :func:`ropestep.models.layer_head`): two routes, both must agree --
 
     * ``"spec"``: ``x @ w_q + b_q`` (for family ``"qknorm"`` normalised by
-      :func:`ropestep.kernel.rms_norm` with ``weights.q_norm``/``k_norm``, ``spec.norm_eps`` and
-      ``spec.norm_scope``) rotated by :func:`ropestep.rope.apply_rope` with
+      :func:`ropestep.kernel.qk_norm` with ``weights.q_norm``/``k_norm`` (and, for a LayerNorm,
+      ``q_norm_bias``/``k_norm_bias``), ``spec.norm_eps``, ``spec.norm_scope`` and
+      ``spec.norm_kind``) rotated by :func:`ropestep.rope.apply_rope` with
       :func:`ropestep.rope.rope_cos_sin` and ``spec.rope.layout``; keys and values of query head
       ``h`` taken from KV head ``spec.kv_head(h)`` (the map :mod:`ropestep.exact` uses);
     * ``"fast.project"``: :func:`ropestep.fast.project`'s rotated queries (divided by the score
@@ -823,7 +863,9 @@ def exact_rows(spec: HeadSpec, weights: HeadWeights, x: Any, positions: Any,
     d = spec.head_dim
     m_first = m
     if not spec.affine:  # the norm's roundings (first order, _norm_terms)
-        m_first = _qk_norm_count(m, d * (spec.n_heads if spec.norm_scope == "all" else 1))
+        m_first = _qk_norm_count(m, d * (spec.n_heads if spec.norm_scope == "all" else 1),
+                                 _head_centring_gain(spec, weights, xk.to("cpu", F64))
+                                 if spec.norm_kind == "layer" else None)
     out_rows = []
     for h, i in rws:
         q = col[i]
@@ -1140,11 +1182,16 @@ class _Attention64:
         n = x.shape[0]
 
         self.norms = _model_norms(model, conv.layer, info, conv)
+        # how much a LayerNorm's centring magnifies the projections' errors (_norm_terms)
+        self.centring_gain = 1.0
 
         def proj(part: tuple, nh: int, norm: str | None = None) -> torch.Tensor:  # (nh, n, d)
             z = models.layouts.project(part, x, nh)[0]  # (n, nh, d), float64
             if conv.clip is not None:  # the module's clip_qkv (DBRX), as its forward
                 z = z.clamp(-conv.clip, conv.clip)
+            if norm is not None and self.norms is not None and \
+                    self.norms["bias"].get(norm) is not None:
+                self.centring_gain = max(self.centring_gain, centring_gain(z))
             if norm is not None and self.norms is not None and not conv.norm_after_rope:
                 z = _apply_model_norm(z, *self.norms[norm], self.norms["scope"],
                                       self.norms["bias"].get(norm))
@@ -1208,7 +1255,7 @@ def _anchor(att: _Attention64, pos: torch.Tensor, heads: Any, mdt: torch.dtype) 
     mine = att.heads_with_model_tables(pos)
     den = cap.abs().amax((0, 2)).clamp_min(tl.SCALE_GUARD)
     rel = (mine - cap).abs().amax((0, 2)) / den  # per head
-    m = _norm_terms(att.info, att.conv, None)  # m, or 2m + n + 8 with QK-norm
+    m = _norm_terms(att.info, att.conv, None, att.centring_gain)  # m, or 2m + n + 8 with QK-norm
     if mdt in (F64, torch.float32):
         # a float64 model's heads carry float32 rounding too: transformers' eager attention takes
         # its softmax in float32 whatever the model's dtype (softmax(..., dtype=torch.float32)),
@@ -1373,7 +1420,7 @@ def position_derivative(model: Any, layer: int, x: Any, positions: Any, queries:
         model, layer, x, positions, queries, head)
     att = _Attention64(model, info, conv, parts, x64)
     P = fast.project(spec_an, weights, x64[qs], pos[qs], x64, pos, dtype=F64)
-    m, d = _norm_terms(info, conv, spec_an), info.head_dim  # m, or 2m + n + 8 with QK-norm
+    m, d = _norm_terms(info, conv, spec_an, att.centring_gain), info.head_dim  # with QK-norm
     rows = []
     for qn, i in enumerate(qs):
         pi = int(pos[i])
@@ -1457,7 +1504,7 @@ def position_shift(model: Any, layer: int, x: Any, positions: Any, queries: Sequ
         raise ValueError(f"deltas must be non-empty integers, got {list(deltas)}")
     att = _Attention64(model, info, conv, parts, x64)
     P = fast.project(spec_an, weights, x64[qs], pos[qs], x64, pos, dtype=F64)
-    m, d = _norm_terms(info, conv, spec_an), info.head_dim  # m, or 2m + n + 8 with QK-norm
+    m, d = _norm_terms(info, conv, spec_an, att.centring_gain), info.head_dim  # with QK-norm
     y0 = att.heads_at(pos.to(F64), qs)  # (Qs, H, r)
     rows = []
     for delta in ds_:

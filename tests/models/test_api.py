@@ -228,7 +228,8 @@ def test_bfloat16_sdpa_and_window():
 
 def test_bad_input(llama, llama_run):
     lr = llama_run[1]
-    cands = llama.run_candidates(_ids(), [1, 2, 3], layers=1)
+    block = _ids()
+    cands = llama.run_candidates(block, [int(block[-1]), 2, 3], layers=1)
     cases = [
         (lambda: llama.run(_ids(), layers=7), "layer 7 out of range: the model has 2 layers"),
         (lambda: llama.run("some text"), "a text prompt needs a tokenizer"),
@@ -271,6 +272,13 @@ def test_bad_input(llama, llama_run):
         (lambda: llama.head_description(5, 4), "layer 5 out of range"),
         (lambda: cands.evaluate(0), r"layer 0 was not kept by this run \(kept: \[1\]\)"),
         (lambda: cands.evaluate(1, model_dtype="float16"), "model_dtype must be one of"),
+        (lambda: llama.run_candidates(block, [(int(block[-1]) + 1) % 100, int(block[-1])]),
+         "the first candidate must be the block's last token"),
+        (lambda: llama.run_candidates(block, lambda logits: [(int(block[-1]) + 1) % 100]),
+         "the candidates function must put the block's last token"),
+        (lambda: lr.evaluate(anchor_every=0), "anchor_every must be a positive int"),
+        (lambda: lr.evaluate(dtype=torch.int32), "dtype must be a torch.dtype"),
+        (lambda: lr.evaluate(device="mps"), "device must be 'cpu' or 'cuda"),
     ]
     for call, msg in cases:
         with pytest.raises(api.ApiError, match=msg):

@@ -20,7 +20,9 @@ every layer's attention call, and reads per layer (:class:`LayerConventions`):
   values, on the probe's tokens, within a derived rounding bound -- a reading no candidate
   reproduces is refused, naming the tensor and its difference.
 * **QK-norm**: per-head norms ``q_norm``/``k_norm`` read as ``g * z / sqrt(mean(z^2) + eps)``
-  with ``g`` probed from the module (so Gemma's ``1 + w`` is read as it acts).
+  with ``g`` probed from the module (so Gemma's ``1 + w`` is read as it acts), or -- where the
+  module acts so on probe vectors -- as a LayerNorm with a bias,
+  ``g * (z - mean z) / sqrt(var z + eps) + beta`` (Persimmon; ``HeadSpec.norm_kind "layer"``).
 * and the score itself: the layer's own queries, keys and values through the read scale,
   soft-cap, mask and sinks reproduce its eager output (float64 against the model's dtype).
 
