@@ -588,3 +588,28 @@ def test_the_dump_changes_nothing_in_the_report(tiny, tmp_path, capsys):
     assert atlas.main([*tiny.argv, "--out", str(tmp_path / "bad"),
                        "--dump-raw", str(tmp_path / "file")]) == 2
     assert "is not a directory" in capsys.readouterr().err and not (tmp_path / "bad").exists()
+
+
+def test_the_reference_refuses_what_it_does_not_model(tmp_path):
+    """A dump whose layer is of another score family, or whose score has a window, chunks, a
+    soft-cap, sinks or clipped projections, is refused in one line: the reference's projections
+    have none of these, so it would recompute another head and disagree for the wrong reason."""
+    base = {"n_heads": 2, "n_kv_heads": 1, "head_dim": 4, "r": 4, "hidden": 8,
+            "layout": "half", "family": "dot", "window": None, "chunk": None, "softcap": None,
+            "sinks": False, "clip": None}
+    cases = {"family": ("qknorm", "of the 'qknorm' family"), "window": (16, "has window"),
+             "chunk": (8, "has chunk"), "softcap": (30.0, "has softcap"),
+             "sinks": (True, "has sinks"), "clip": (2.0, "has clip")}
+    for k, (v, msg) in cases.items():
+        d = tmp_path / k
+        d.mkdir()
+        manifest = {"schema": reference.SCHEMA, "config": {"dtype": "float32"},
+                    "layers": {"0": base, "1": {**base, k: v}}}
+        (d / reference.MANIFEST).write_text(json.dumps(manifest))
+        with pytest.raises(ValueError, match=f"layer 1 .*{msg}"):
+            reference.load(d)
+    d = tmp_path / "plain"
+    d.mkdir()
+    (d / reference.MANIFEST).write_text(json.dumps(
+        {"schema": reference.SCHEMA, "config": {"dtype": "float32"}, "layers": {"0": base}}))
+    assert reference.load(d).manifest["layers"]["0"]["family"] == "dot"

@@ -450,7 +450,10 @@ def write_raw_manifest(out: Path, result: dict, specs: dict[int, tuple[HeadSpec,
     report records them, the (context, layer) items dumped, and each layer's head layout."""
     layers = {str(L): {"n_heads": sp.n_heads, "n_kv_heads": sp.n_kv_heads,
                        "head_dim": sp.head_dim, "r": sp.r, "hidden": m,
-                       "layout": sp.rope.layout, "family": sp.family}
+                       "layout": sp.rope.layout, "family": sp.family,
+                       # what else shapes the score (a reference that models none must refuse)
+                       "window": sp.window, "chunk": sp.chunk, "softcap": sp.softcap,
+                       "sinks": sp.sinks is not None, "clip": sp.clip}
               for L, (sp, m) in sorted(specs.items())}
     manifest = {"schema": RAW_SCHEMA, **{k: result[k] for k in
                                          ("command", "config", "model", "corpus", "contexts")},

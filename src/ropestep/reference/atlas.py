@@ -78,6 +78,19 @@ def load(path: str | Path) -> Dump:
     if manifest["config"]["dtype"] != "float32":
         raise ValueError(f"{path}: the reference covers float32 runs, this one is "
                          f"{manifest['config']['dtype']}")
+    # the projections below have no QK-norm, latent, clip or sink step: the plain dot-product
+    # score only (a dump of another family would be recomputed as a plain head and disagree)
+    bad = [L for L, f in manifest["layers"].items() if f.get("family") != "dot"]
+    if bad:
+        raise ValueError(f"{path}: layer {bad[0]} is of the "
+                         f"{manifest['layers'][bad[0]].get('family')!r} family; the atlas "
+                         "reference covers the 'dot' family only")
+    for L, f in manifest["layers"].items():  # a causal, uncapped, sink-free, unclipped score
+        extra = [k for k in ("window", "chunk", "softcap", "clip") if f.get(k) is not None]
+        extra += ["sinks"] if f.get("sinks") else []
+        if extra:
+            raise ValueError(f"{path}: layer {L} has {', '.join(extra)}; the atlas reference "
+                             "covers plain causal heads only")
     return Dump(path, manifest)
 
 
