@@ -420,6 +420,12 @@ class Attached:
             raise ApiError("no layers requested")
         return Ls
 
+    def _context(self) -> int | None:
+        """The model's context (its text config's ``max_position_embeddings``), None if unset."""
+        cfg = getattr(self.model.config, "get_text_config", lambda: self.model.config)()
+        ctx = getattr(cfg, "max_position_embeddings", None)
+        return None if ctx is None else int(ctx)
+
     def _not_training(self) -> None:
         if self.model.training:
             raise ApiError(f"{self.info.name} is in training mode (dropout): call model.eval()")
@@ -442,9 +448,8 @@ class Attached:
                            "from the first token, not from its position: positions must start "
                            "at 0 on this model")
         top = int(pos.max()) + 1
-        ctx = getattr(getattr(self.model.config, "get_text_config", lambda: self.model.config)(),
-                      "max_position_embeddings", None)
-        if ctx is not None and top > int(ctx):
+        ctx = self._context()
+        if ctx is not None and top > ctx:
             raise ApiError(f"the prompt reaches position {top - 1}, beyond the model's context "
                            f"(max_position_embeddings {ctx})")
         with _eager(self.model):
@@ -490,8 +495,8 @@ class Attached:
                                f"(its row is checked against the block's own forward), got "
                                f"{int(cands[0])}")
             candidates = cands.tolist()
-        ctx = self.info.max_positions
-        if ctx and ids.numel() > int(ctx):
+        ctx = self._context()
+        if ctx is not None and ids.numel() > ctx:
             raise ApiError(f"the block has {ids.numel()} tokens, beyond the model's context "
                            f"(max_position_embeddings {ctx})")
         with _eager(self.model):

@@ -47,7 +47,7 @@ import torch
 
 from . import exact, fast, kernel, models, rope
 from . import tolerances as tl
-from .models.conventions import _layer_norm_weight, _norm_weight, qk_norms
+from .models.conventions import _qk_norm_reading, qk_norms
 from .models.structure import onloaded
 from .spec import HeadSpec, HeadWeights, RoPESpec, _positions, first_permitted
 from .verdict import finite, least, within, worst
@@ -217,8 +217,8 @@ def _model_norms(model: Any, layer: int, info: models.ModelInfo, conv: Any) -> d
     model's head-dim order, float64 -- ``(d,)`` for a norm over each head's features after the
     projection's reshape (Qwen3, Gemma 3), ``(heads, d)`` for one over the whole projection of a
     token before it (OLMo 2: ``heads * d`` features).  ``g`` is probed from the module's action
-    (:func:`ropestep.models.conventions._norm_weight`: Gemma's ``x (1 + w)`` is read as it acts),
-    ``eps`` is the module's own; nothing comes from the head description under check."""
+    (:func:`ropestep.models.conventions._qk_norm_reading`: Gemma's ``x (1 + w)`` is read as it
+    acts), ``eps`` is the module's own; nothing comes from the head description under check."""
     if not conv.qk_norm:
         return None
     _, _, attn, _, _ = models.attention.layer_parts(model, int(layer), info)
@@ -228,12 +228,9 @@ def _model_norms(model: Any, layer: int, info: models.ModelInfo, conv: Any) -> d
     out: dict = {"scope": conv.norm_scope, "bias": {}}
     with onloaded(attn):
         for nm, nh, mod in zip(("q", "k"), (H, Hk), qk_norms(attn)):
-            what = f"{info.name}: layer {layer} {nm} norm"
-            layer_norm = _layer_norm_weight(mod, d, what) if not full else None
-            if layer_norm is not None:  # a LayerNorm with a bias (Persimmon)
-                g, beta, eps = layer_norm
-            else:
-                (g, eps), beta = _norm_weight(mod, nh * d if full else d, what), None
+            # an RMS norm, or a LayerNorm with a bias (Persimmon: beta not None)
+            g, eps, _, beta = _qk_norm_reading(mod, nh * d if full else d,
+                                               f"{info.name}: layer {layer} {nm} norm")
             out[nm] = (g.view(nh, d) if full else g, float(eps))
             out["bias"][nm] = beta
     return out
@@ -372,8 +369,7 @@ def _norm_terms(info: models.ModelInfo, conv: Any, spec: HeadSpec | None,
         return int(conv.input_dim or info.hidden)
     full = conv.norm_scope == "all" or (spec is not None and spec.norm_scope == "all")
     n = info.n_heads * info.head_dim if full else info.head_dim
-    layer = getattr(conv, "norm_kind", "rms") == "layer" or (
-        spec is not None and spec.norm_kind == "layer")
+    layer = conv.norm_kind == "layer" or (spec is not None and spec.norm_kind == "layer")
     return _qk_norm_count(int(conv.input_dim or info.hidden), n, gain if layer else None)
 
 
