@@ -36,7 +36,7 @@ DEFAULT = set(TYPES[::3])  # the representative third of the default run
 # weightless norms, Llama 4's complex tables.
 PASSING = {
     "afmoe", "apertus", "apertus1p5_text", "arcee", "aria_text", "axk1", "bailing_hybrid",
-    "bamba", "bitnet", "codegen", "cohere", "cohere2", "cohere2_moe", "cwm", "dbrx",
+    "bamba", "bitnet", "bloom", "codegen", "cohere", "cohere2", "cohere2_moe", "cwm", "dbrx",
     "deepseek_v2", "deepseek_v3", "deepseek_v32", "dots1", "emu3", "ergo", "ernie4_5",
     "ernie4_5_moe", "exaone", "exaone4", "exaone_moe", "falcon", "falcon_h1", "flex_olmo",
     "flint", "gemma", "gemma2", "gemma3_text", "glm", "glm4", "glm4_moe", "glm4_moe_lite",
@@ -45,7 +45,7 @@ PASSING = {
     "hyperclovax", "internlm3", "iquestcoder", "jais2", "kolibri1", "laguna", "lara_mini",
     "lfm2", "lfm2_moe", "lfm3", "llama", "llama4_text", "mellum", "mimo_v2_flash", "minicpm3",
     "minimax", "minimax_m2", "minimax_m3_vl_text", "ministral", "ministral3", "mistral",
-    "mixtral", "mllama", "modernbert-decoder", "nanochat", "nemotron", "olmo", "olmo2",
+    "mixtral", "mllama", "modernbert-decoder", "mpt", "nanochat", "nemotron", "olmo", "olmo2",
     "olmo3", "olmo_hybrid", "olmoe", "param2moe", "phi", "phi3", "phimoe", "qwen2",
     "qwen2_moe", "qwen3", "qwen3_5_moe_text", "qwen3_5_text", "qwen3_moe", "qwen3_next",
     "sarvam_mla", "sarvam_moe", "seed_oss", "smollm3", "solar_open", "stablelm", "starcoder2",
@@ -215,7 +215,8 @@ _LATENT_PARTS = models.conventions._latent_parts
 @pytest.mark.parametrize("name, what", [
     ("qwen3_next", "gate"), ("nanochat", "sign"), ("bitnet", "output"), ("gpt_neox", "pairs"),
     ("gptj", "order"), ("deepseek_v3", "latent_order"), ("deepseek_v2", "latent_split"),
-    ("gpt_oss", "sink"), ("hunyuan_v1_dense", "norm_order"), ("llama4_text", "chunk")])
+    ("gpt_oss", "sink"), ("hunyuan_v1_dense", "norm_order"), ("llama4_text", "chunk"),
+    ("bloom", "alibi_slope"), ("mpt", "alibi_sign")])
 def test_a_wrong_reading_of_each_new_convention_fails_the_run(name, what, tmp_path,
                                                               monkeypatch):
     conv = models.conventions
@@ -243,6 +244,16 @@ def test_a_wrong_reading_of_each_new_convention_fails_the_run(name, what, tmp_pa
             return replace(spec, chunk=spec.chunk and spec.chunk + 1), w
 
         monkeypatch.setattr(models, "layer_head", longer_chunk)
+    elif what in ("alibi_slope", "alibi_sign"):  # ALiBi slopes read at half their value, or
+        # with the sign of the bias reversed (slope (p_i - p_j))
+        real_head = models.layer_head
+
+        def wrong_slopes(*a, **k):
+            spec, w = real_head(*a, **k)
+            f = 0.5 if what == "alibi_slope" else -1.0
+            return replace(spec, alibi_slopes=tuple(f * v for v in spec.alibi_slopes)), w
+
+        monkeypatch.setattr(models, "layer_head", wrong_slopes)
     elif what == "sink":  # the sink logits read one unit off (a wrong sink logit)
         real_sinks = conv._sinks
         monkeypatch.setattr(conv, "_sinks", lambda attn, c: None if real_sinks(attn, c) is None

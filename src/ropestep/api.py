@@ -1174,11 +1174,12 @@ class LayerRun:
         qs = [self._query(q) for q in _ints(queries, "query")]
         if not qs:
             raise ApiError("no queries given")
-        if self.spec.family == "latent" or self.spec.norm_after_rope:
+        if self.spec.family == "latent" or self.spec.norm_after_rope \
+                or self.spec.alibi_slopes is not None:
             raise ApiError(f"layer {self.layer}: the position derivative against the model's "
                            "attention is not defined here (its formulas assume the rotation "
-                           "acts last on a plain or QK-normed projection; docs/math.md "
-                           "sections 5 and 13)")
+                           "acts last on a plain or QK-normed projection, and an ALiBi model "
+                           "derives its positions itself; docs/math.md sections 5 and 13)")
         if self.attached.model.training:
             raise ApiError("the model is in training mode (dropout): call model.eval()")
         with _eager(self.attached.model), models.errors.adapter_errors(

@@ -65,7 +65,7 @@ COMMAND_ARGS = {"atlas": ATLAS_ARGS, "validate": VALIDATE_ARGS}
 SUMMARY_FIELDS = ("attention", "layout", "output", "rotary", "rotary_dim", "pairing", "tables",
                   "amplitude", "scaling", "score_scale", "softcap", "window", "chunk", "qk_norm",
                   "norm_kind",
-                  "qkv_bias", "o_bias", "sinks")
+                  "qkv_bias", "o_bias", "sinks", "alibi")
 
 # atlas: per-head check -> the report field holding its worst measured/bound ratio
 ATLAS_RATIOS = {
@@ -685,6 +685,8 @@ def conventions_text(conv: dict | None) -> str:
                      ("sinks", "sinks"), ("qkv_bias", "qkv bias"), ("o_bias", "o bias")):
         if present(f):
             parts.append(label if s[f] is True else f"{label} {_field(s, f)}")
+    if s.get("alibi"):  # absent from reports before the ALiBi reading
+        parts.append(f"ALiBi slopes {_field(s, 'alibi')}")
     parts.append(f"out `{_field(s, 'output')}`")
     parts.append(f"`{_field(s, 'attention')}`")
     return ", ".join(parts)

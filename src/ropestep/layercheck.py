@@ -70,8 +70,6 @@ def evaluate_layer(spec: HeadSpec, weights: HeadWeights, x: torch.Tensor, positi
                    anchor_every: int = 64, max_bytes: int = scale.DEFAULT_MAX_BYTES,
                    device: Any = None, timers: dict | None = None) -> LayerResult:
     """All statistics of one captured layer: ``x (N, m)`` inputs, ``native (N, H, r)`` outputs."""
-    if spec.alibi_slopes is not None:
-        raise AtlasError(f"layer {layer}: the atlas covers RoPE heads without ALiBi biases")
     H, d, r = spec.n_heads, spec.head_dim, spec.r
     N = int(x.shape[0])
     tm = timers if timers is not None else {}
@@ -342,8 +340,8 @@ def _ratio(err: np.ndarray, bound: np.ndarray) -> np.ndarray:
 
 def _descent_defined(spec: HeadSpec) -> bool:
     """The atlas's step statistics (docs/math.md section 3) assume ``phi = id`` and keys whose
-    features have no bias coordinate: not with a soft-cap, not with attention sinks."""
-    return spec.softcap is None and spec.sinks is None
+    features have no bias coordinate: not with a soft-cap, attention sinks or ALiBi biases."""
+    return spec.softcap is None and spec.sinks is None and spec.alibi_slopes is None
 
 
 def summarise_layer(results: Sequence[LayerResult], spec: HeadSpec, m: int, N: int,

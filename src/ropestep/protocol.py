@@ -382,6 +382,11 @@ def real_checks(model: Any, spec, weights, cap: ContextCapture, layer: int, cont
         out["not_defined"] = {k: NOT_LAYOUT_LATENT for k in ("conventions",
                                                               "position_derivative",
                                                               "position_shift")}
+    elif spec.alibi_slopes is not None:  # an inline ALiBi module: no eager call to record
+        out["conventions"] = out["position_derivative"] = out["position_shift"] = None
+        out["not_defined"] = {k: NOT_INLINE_ALIBI for k in ("conventions",
+                                                             "position_derivative",
+                                                             "position_shift")}
     else:
         out["conventions"] = rc.conventions(model, layer, xp, pos_kv, head=head, record=raw)
     if raw is not None and spec.rope.freqs is not None:
@@ -398,7 +403,7 @@ def real_checks(model: Any, spec, weights, cap: ContextCapture, layer: int, cont
         out["rank"] = out["no_global_readout"] = None
         out.setdefault("not_defined", {}).update(
             {"rank": not_affine_reason(spec), "no_global_readout": not_affine_reason(spec)})
-    if spec.family == "latent":
+    if spec.family == "latent" or spec.alibi_slopes is not None:
         return out
     if spec.norm_after_rope:  # the derivative formulas assume the rotation acts last
         out["position_derivative"] = out["position_shift"] = None
@@ -520,6 +525,18 @@ NOT_LAYOUT_LATENT = (
     "standard projection layout, which a latent layer does not have; its queries, keys and "
     "values are checked against the latent maps on every load (models.conventions, "
     "docs/math.md section 14), and every head's output against the model's by the rows above")
+
+
+# why the real-head checks that read the module's own queries and keys, or move its positions,
+# are not defined on an inline ALiBi layer (BLOOM, MPT)
+NOT_INLINE_ALIBI = (
+    "ALiBi attention computed inside the module (BLOOM, MPT): its queries and keys are never "
+    "handed to a function, so the module's own per-head projections cannot be read for this "
+    "check, and the model derives its key positions itself (from the attention mask or the key "
+    "count) and ignores position ids, so the positional checks cannot move them; the layout, "
+    "scale and slopes are proven on every load by reproducing the module's own probabilities "
+    "and output, the bias is checked against the slopes in every capture, and every head's "
+    "output against the model's by the rows above (docs/math.md section 13)")
 
 
 # why the positional checks are not defined where a per-dim norm acts after the rotation

@@ -288,19 +288,25 @@ def test_accepts_the_papers_qwen25_config():
     assert info.qkv_bias and not info.o_bias
 
 
-def test_refuses_an_architecture_without_rope():
-    from transformers import GPT2Config
+def test_refuses_an_architecture_without_rope_or_alibi(tmp_path):
+    """GPT-2 (learned absolute positions) neither rotates nor adds an ALiBi bias: refused once
+    its layers are read (a config that names no RoPE parameters may still be an ALiBi model --
+    BLOOM, MPT -- so the config alone no longer refuses it)."""
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
 
-    with pytest.raises(UnsupportedModelError, match="model_type='gpt2'.*no RoPE"):
-        models.describe_model(GPT2Config(n_layer=1))
-
-
-def test_load_refuses_before_loading_weights(tmp_path):
-    from transformers import GPT2Config
-
-    GPT2Config(n_layer=1).save_pretrained(tmp_path)
-    with pytest.raises(UnsupportedModelError, match="no RoPE"):
-        models.load_model(tmp_path, tokenizer=False)  # only config.json: no weights to load
+    cfg = GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64)
+    assert models.describe_model(cfg).rope_type == "none"  # sizes only, from the config
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        model = GPT2LMHeadModel(cfg).eval()
+    model.config._attn_implementation = "eager"
+    with pytest.raises(UnsupportedModelError, match="model_type='gpt2'.*no RoPE parameters.*"
+                       "no layer adds an ALiBi bias"):
+        models.describe_model(model)
+    model.save_pretrained(tmp_path)
+    with pytest.raises(UnsupportedModelError, match="no layer adds an ALiBi bias"):
+        models.load_model(tmp_path, tokenizer=False)
 
 
 def test_reads_modified_attention_modules(tiny_qwen2, monkeypatch):

@@ -476,7 +476,7 @@ def test_bad_input(tiny):
         (lambda: rc.exact_rows(spec, w, x, pos, [(0, 1)], digits=8), "digits"),
         (lambda: rc.positive_coefficients(spec, w, x[:5], pos), "shape"),
         (lambda: rc.delta_m_rank(spec, replace(w, w_o=None), x, pos, [(0, 1)]), "w_o"),
-        (lambda: rc.conventions(torch.nn.Linear(2, 2), 0, x, pos), "not a rotary attention"),
+        (lambda: rc.conventions(torch.nn.Linear(2, 2), 0, x, pos), "lacks hidden_size"),
         (lambda: rc.positive_coefficients(cosine, w, x, pos), "'cosine' is not covered"),
         (lambda: rc.exact_rows(cosine, w, x, pos, [(0, 1)]), "'cosine' is not covered"),
         (lambda: rc.conventions(m, LAYER, x, pos, head=(cosine, w)), "'cosine' is not covered"),

@@ -17,6 +17,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
+from . import conventions
 from .conventions import ModelInfo, check_layer_index, describe_model
 from .errors import CaptureError, UnsupportedModelError, adapter_errors
 from .loading import disable_tf32
@@ -82,12 +83,39 @@ def _hooks(model: Any, layers: Sequence[int], self_mass: bool = False,
         yield rec
 
 
+def _alibi_guard(rs: list, info: ModelInfo, L: int, key_pos: torch.Tensor | None) -> None:
+    """Every call of an ALiBi layer was handed the bias read on loading: ``slope_h p_j`` (up to
+    a constant) at this run's key positions -- ``key_pos``, or ``0..N-1`` -- within rounding
+    (the model derives its positions itself: BLOOM from the attention mask, MPT from the key
+    count; a run whose positions it does not follow is refused, not given a wrong verdict)."""
+    conv = info.layers[L]
+    for t in rs:
+        if t.bias is None:
+            raise CaptureError(f"{info.name}: layer {L}'s attention was handed no ALiBi bias")
+        N = t.kwargs.get("n_keys")
+        if not isinstance(N, int):
+            raise CaptureError(f"{info.name}: layer {L}'s attention returned no probabilities "
+                               "(their key count places its ALiBi bias)")
+        kb = conventions.alibi_key_bias(t.bias, info.n_heads, N, info.name, L)
+        kp = torch.arange(N) if key_pos is None or key_pos.numel() != N else key_pos
+        worst = conventions.alibi_check(kb, kp, conv.alibi, t.bias.dtype)
+        if not worst <= 1.0:  # not modelled at these positions: a refusal, not a verdict
+            raise UnsupportedModelError(
+                f"{info.name}: layer {L}'s ALiBi bias in this run is not slope * position at the "
+                f"run's key positions (worst {worst:.2e} of its rounding bound): the model does "
+                "not follow these positions, or its bias changed since it was read")
+
+
 def _take(rec: dict, info: ModelInfo, calls: int,
-          positions: torch.Tensor, write: bool = True) -> dict[int, LayerCapture]:
+          positions: torch.Tensor, write: bool = True,
+          key_pos: torch.Tensor | None = None) -> dict[int, LayerCapture]:
     """Check that every layer's attention ran once per forward pass (its attention function
-    and its output projection included), then stack the records per layer."""
+    and its output projection included), then stack the records per layer; an ALiBi layer's
+    bias is checked against its reading (:func:`_alibi_guard`)."""
     out = {}
     for L, rs in rec.items():
+        if info.layers and info.layers[L] is not None and info.layers[L].alibi:
+            _alibi_guard(rs, info, L, key_pos)
         H, r = info.n_heads, info.for_layer(L).r
         ok = [x for x in rs if x.kwargs.get("_seen") and x.hidden is not None
               and x.output is not None and (x.o_out is not None or not write)]
@@ -224,7 +252,7 @@ def capture(model: Any, input_ids: Any, layers: int | Sequence[int], *,
         finally:
             if h is not None:
                 h.remove()
-    return _take(rec, info, 1, pos, write)
+    return _take(rec, info, 1, pos, write, key_pos=pos)
 
 
 def capture_continuations(model: Any, prefix_ids: Any,

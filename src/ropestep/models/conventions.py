@@ -44,7 +44,7 @@ from ..spec import HeadSpec, HeadWeights, LatentSpec, RoPESpec, first_permitted
 from .errors import UnsupportedModelError, adapter_errors
 from .layouts import candidates as layout_candidates
 from .layouts import project as project_part
-from .probe import AttentionRecord, probe_forward, probe_layers, tables
+from .probe import AttentionRecord, inline_bias_arg, probe_forward, probe_layers, tables
 from .structure import (attention_module, attention_modules, layer_modules, model_name,
                         onloaded, output_projection, rotary_modules)
 
@@ -108,6 +108,13 @@ class LayerConventions:
     temperature_from: int | None = None
     # QK-norm's form: "rms" (g z / rms z) or "layer" (LayerNorm with a bias: Persimmon)
     norm_kind: str = "rms"
+    # ALiBi (an inline module handed a key-position bias: BLOOM, MPT): one slope per query head,
+    # the bias slope_h p_j (a row shift of -slope_h (p_i - p_j)); () without
+    alibi: tuple = ()
+    bias_arg: str = ""  # the module's parameter that hands it the bias ("alibi", "position_bias")
+    # how the module reads its mask: "additive" (0 / the dtype's min), "keep" (bool, True =
+    # permitted) or "drop" (bool, True = masked: MPT's masked_fill)
+    mask_form: str = "additive"
 
     @property
     def score_scale(self) -> float:
@@ -120,7 +127,7 @@ class LayerConventions:
             "amplitude", "scaling", "softcap", "window", "qk_norm", "norm_scope", "norm_eps",
             "norm_kind", "qkv_bias",
             "o_bias", "sinks", "output_direct", "sign", "order", "value_scale", "clip",
-            "norm_after_rope", "chunk", "temperature_from")}
+            "norm_after_rope", "chunk", "temperature_from", "alibi")}
         d["score_scale"] = self.score_scale
         return d
 
@@ -227,12 +234,12 @@ def _check_config(config: Any, name: str | None = None) -> ModelInfo:
         theta = rp.get("rope_theta", getattr(config, "rope_theta", None))
         rope_type = rp.get("rope_type", rp.get("type", "default"))
     if theta is None:
+        # a rotary module that keeps its base to itself (GPT-J, CodeGen), or no rotation at all
+        # (ALiBi: BLOOM, MPT): the model's own calls are read, not the config; a model that
+        # neither rotates nor adds an ALiBi bias is refused after that reading (_read_model)
+        theta = math.nan
         if not any(getattr(config, a, None) is not None for a in ROPE_HINTS):
-            raise UnsupportedModelError(
-                f"{who}: model_type={mt!r} names no RoPE parameters ({', '.join(ROPE_HINTS)}): "
-                "not a rotary attention model")
-        theta = math.nan  # a rotary module that keeps its base to itself (GPT-J, CodeGen): the
-        # model's own rotary calls are read, not the config
+            rope_type = "none"
     hidden = getattr(config, "hidden_size", None)
     H = getattr(config, "num_attention_heads", None)
     nl = getattr(config, "num_hidden_layers", None)
@@ -591,6 +598,8 @@ def _read_layer(model: Any, info: ModelInfo, L: int, r: AttentionRecord) -> Laye
     who = info.name
     attn = attention_module(layer_modules(model)[L], who, L)
     out_name, out_lin = output_projection(attn, who, L)
+    if r.inline:
+        return _read_inline(info, L, r, attn, out_name, out_lin)
     H, Hk, d = info.n_heads, info.n_kv_heads, info.head_dim
     if r.hidden is None or r.query is None:
         raise UnsupportedModelError(f"{who}: layer {L}'s attention input was not recorded")
@@ -841,6 +850,206 @@ def _read_layer(model: Any, info: ModelInfo, L: int, r: AttentionRecord) -> Laye
         value_scale=vscale, clip=clip, norm_after_rope=norm_after,
         order="none" if r.cos is None else "complex" if r.complex_tables else order,
         input_dim=m, call_args=tuple(sorted(r.call.items())), sink_param=sink_param)
+
+
+# ---------------------------------------------------------------------------------------------
+# inline attention with an ALiBi bias (BLOOM, MPT)
+# ---------------------------------------------------------------------------------------------
+INLINE_TEXT = "inline attention (scores computed in the module, an ALiBi bias handed to it)"
+# the module attributes an inline module keeps its score scale under (BLOOM's inv_norm_factor,
+# MPT's softmax_scale); without one, 1/sqrt(d) -- whichever, the reading proves it
+INLINE_SCALE_NAMES = ("scaling", "softmax_scale", "inv_norm_factor")
+ALIBI_FIT_ULPS = 4  # the slope-fit residual bound, in units of the bias dtype's roundoff
+
+
+def alibi_key_bias(bias: Any, H: int, N: int, who: str, L: int) -> torch.Tensor:
+    """``(H, N)`` float64: the key-position bias an inline module was handed, per head, for its
+    last ``N`` keys (BLOOM hands ``(B H, 1, N)``, MPT ``(H, 1, max_seq_len)`` and uses its last
+    ``N`` columns).  A bias that varies with the query, or differs between the batch's rows, is
+    not a key-position bias and is refused."""
+    if not torch.is_tensor(bias):
+        raise UnsupportedModelError(f"{who}: layer {L}'s {INLINE_TEXT} was handed no bias tensor")
+    t = bias.detach().to("cpu", F64)
+    K = int(t.shape[-1])
+    if t.dim() < 2 or t.shape[-2] != 1 or K < N or t.numel() % (H * K):
+        raise UnsupportedModelError(
+            f"{who}: layer {L}'s position bias has shape {tuple(bias.shape)}: not one row of "
+            f"key biases per head ({H} heads, {N} keys)")
+    t = t.reshape(-1, H, K)
+    if not bool((t == t[:1]).all()):
+        raise UnsupportedModelError(f"{who}: layer {L}'s position bias differs between the "
+                                    "batch's rows (not modelled)")
+    return t[0, :, K - N:]
+
+
+def alibi_fit(kb: torch.Tensor, key_pos: torch.Tensor, dtype: torch.dtype
+              ) -> tuple[torch.Tensor, float]:
+    """``(slopes (H,), worst)``: the slope of each head's key bias ``kb (H, N)`` over the key
+    positions (from its first and last key), and the worst residual of the affine form
+    ``kb[h, j] = kb[h, 0] + slope_h (p_j - p_0)`` over its bound (``<= 1``: ALiBi).
+
+    Bound: each entry is the model's ``dtype`` rounding of ``slope p_j`` (plus a constant), so
+    ``|e_j| <= u |kb_j|``; the slope from the two end keys carries ``(|e_0| + |e_last|)`` over
+    the span, which moves the fitted value at key ``j`` by at most that much; the residual is
+    then at most ``u (|kb_j| + 2 |kb_0| + 2 |kb_last|)``, taken ``ALIBI_FIT_ULPS`` times as
+    margin for an order of evaluation that rounds twice."""
+    p = key_pos.to("cpu", F64)
+    if kb.shape[-1] < 2 or float(p[-1] - p[0]) == 0:
+        return torch.zeros(kb.shape[0], dtype=F64), 0.0
+    slope = (kb[:, -1] - kb[:, 0]) / (p[-1] - p[0])
+    fit = kb[:, :1] + slope[:, None] * (p - p[0])[None]
+    u = {torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11, F64: 2.0 ** -53}.get(
+        dtype, 2.0 ** -24)
+    bound = ALIBI_FIT_ULPS * u * (kb.abs() + 2 * kb[:, :1].abs() + 2 * kb[:, -1:].abs())
+    err = (kb - fit).abs()
+    worst = float((err / bound.clamp_min(tl.SCALE_GUARD)).max())
+    return slope, worst
+
+
+def alibi_check(kb: torch.Tensor, key_pos: torch.Tensor, slopes: Sequence[float],
+                dtype: torch.dtype) -> float:
+    """The worst ratio, over heads and keys, of ``|kb[h, j] - kb[h, 0] - slope_h (p_j - p_0)|``
+    to its bound, for a run's key bias ``kb (H, N)`` against the slopes read on loading
+    (``<= 1``: the run's bias is the one read).  Bound: :func:`alibi_fit`'s entry roundings
+    ``u (|kb_j| + |kb_0|)``, plus the read slope's own error (at most ``2 u |slope|`` per unit
+    of position), times ``ALIBI_FIT_ULPS``."""
+    p = key_pos.to("cpu", F64)
+    s = torch.as_tensor(list(slopes), dtype=F64)[:, None]
+    u = {torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11, F64: 2.0 ** -53}.get(
+        dtype, 2.0 ** -24)
+    dp = (p - p[0])[None]
+    err = (kb - kb[:, :1] - s * dp).abs()
+    bound = ALIBI_FIT_ULPS * u * (kb.abs() + kb[:, :1].abs() + 2 * (s * dp).abs())
+    return float((err / bound.clamp_min(tl.SCALE_GUARD)).max()) if err.numel() else 0.0
+
+
+def _inline_mask(r: AttentionRecord, n: int, N: int, who: str, L: int
+                 ) -> tuple[torch.Tensor, str]:
+    """``(allowed (n, N), form)`` from the mask an inline module was handed: additive (0 or the
+    dtype's min), or boolean -- True permitted ("keep") or True masked ("drop": MPT's
+    ``masked_fill``), told apart by the diagonal (a query always reads its own key)."""
+    if r.mask is None:
+        return torch.ones(n, N, dtype=torch.bool), "additive"
+    m = r.mask.reshape(-1, *r.mask.shape[-2:])
+    if m.shape[0] != 1:
+        raise UnsupportedModelError(f"{who}: layer {L} has a per-head attention mask")
+    m = m[0, -n:, -N:].to("cpu")
+    if m.dtype == torch.bool:
+        diag = m[torch.arange(n), N - n + torch.arange(n)]
+        if bool(diag.all()):
+            return m, "keep"
+        if not bool(diag.any()):
+            return ~m, "drop"
+        raise UnsupportedModelError(f"{who}: layer {L}'s boolean mask neither keeps nor masks "
+                                    "every query's own key")
+    m = m.to(F64)
+    lo = torch.finfo(r.mask.dtype).min / 2
+    if bool(((m != 0) & (m > lo)).any()):
+        raise UnsupportedModelError(
+            f"{who}: layer {L}'s attention mask carries additive score biases (not modelled)")
+    return m == 0, "additive"
+
+
+def _inline_scale(attn: Any, d: int) -> float:
+    for name in INLINE_SCALE_NAMES:
+        v = getattr(attn, name, None)
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0:
+            return float(v)
+    return d ** -0.5
+
+
+def _read_inline(info: ModelInfo, L: int, r: AttentionRecord, attn: Any, out_name: str,
+                 out_lin: Any) -> LayerConventions:
+    """Read an inline ALiBi layer (BLOOM, MPT): its key bias (``slope_h p_j``, checked affine in
+    the key position to the bias dtype's rounding), its mask (causal), its score scale (a named
+    attribute) and the projection layout whose queries, keys and values -- through that scale,
+    bias and mask -- reproduce the probabilities the module returns and its heads' output (the
+    output projection's input), within the projections' rounding carried through the softmax."""
+    who = info.name
+    H, d = info.n_heads, info.head_dim
+    if r.hidden is None or r.weights is None or r.output is None:
+        raise UnsupportedModelError(f"{who}: layer {L}'s {INLINE_TEXT}: its input, "
+                                    "probabilities or heads' output was not recorded")
+    n = r.hidden.shape[-2]
+    P_model = r.weights[0].to("cpu", F64)  # (H, n, N)
+    N = int(P_model.shape[-1])
+    if tuple(P_model.shape) != (H, n, N) or N != n:
+        raise UnsupportedModelError(f"{who}: layer {L} returned probabilities of shape "
+                                    f"{tuple(r.weights.shape)} for {n} tokens")
+    O_model = r.output[0].to("cpu", F64)  # (n, H, d)
+    mdt = r.hidden.dtype
+    kb = alibi_key_bias(r.bias, H, N, who, L)
+    key_pos = torch.arange(N)
+    slopes, worst = alibi_fit(kb, key_pos, r.bias.dtype)
+    if not worst <= 1.0:
+        raise UnsupportedModelError(
+            f"{who}: layer {L}'s position bias is not affine in the key position (worst "
+            f"residual {worst:.2e} of its rounding bound): not an ALiBi bias")
+    allowed, form = _inline_mask(r, n, N, who, L)
+    if not torch.equal(allowed, _permitted_sets(n, None, None)):
+        raise UnsupportedModelError(f"{who}: layer {L}'s {INLINE_TEXT} permits other keys than "
+                                    "the causal ones (not modelled)")
+    scaling = _inline_scale(attn, d)
+    clip = _clip(attn)
+    x64 = r.hidden.reshape(n, -1).to("cpu", F64)
+    m = x64.shape[-1]
+    agree = tl.agreement_rel_tol(torch.float32, N, d, 0)
+    tries = []
+    chosen = None
+    for lname, parts in layout_candidates(attn, H, H, d, d).items():
+        zs, Es = {}, {}
+        for nm in ("q", "k", "v"):
+            W, _ = parts[nm]
+            if tuple(W.shape) != (H * d, m):
+                break
+            z, A = project_part(parts[nm], x64, H)  # (n, H, d)
+            if clip is not None:  # 1-Lipschitz: the bound carries over
+                z = z.clamp(-clip, clip)
+            zs[nm] = z.transpose(0, 1)
+            Es[nm] = (tl.rotated_projection_abs(mdt, A, m + 1)
+                      + tl.rotated_projection_abs(F64, A, m + 1)).transpose(0, 1)
+        if len(zs) < 3:
+            tries.append(f"{lname}: shapes")
+            continue
+        q, k, v = zs["q"], zs["k"], zs["v"]
+        s = scaling * (q @ k.transpose(-1, -2)) + kb[:, None, :]
+        p = torch.softmax(s.masked_fill(~allowed[None], -math.inf), -1)
+        out = (p @ v).transpose(0, 1)  # (n, H, d)
+        # the model's scores differ from these by its projections' rounding: per row at most
+        # delta = scaling max_j sum_l (Eq |k| + |q| Ek + Eq Ek), which moves each probability
+        # by a factor within e^(+-2 delta)
+        Eq, Ek = Es["q"], Es["k"]
+        ds = scaling * (Eq @ k.abs().transpose(-1, -2) + q.abs() @ Ek.transpose(-1, -2)
+                        + Eq @ Ek.transpose(-1, -2))
+        grow = math.expm1(2 * float(ds.masked_fill(~allowed[None], 0).max()))
+        err_p = float((P_model - p).abs().max())
+        bound_p = agree * float(p.abs().max()) + grow
+        err_o = float((O_model - out).abs().max())
+        bound_o = (agree * float(out.abs().max()) + grow * float(v.abs().max())
+                   + float(Es["v"].max()))
+        tries.append(f"{lname}: probabilities {err_p:.2e} (bound {bound_p:.2e}), output "
+                     f"{err_o:.2e} (bound {bound_o:.2e})")
+        if err_p <= bound_p and err_o <= bound_o:
+            chosen = (lname, parts)
+            break
+    if chosen is None:
+        raise UnsupportedModelError(
+            f"{who}: layer {L}: no projection layout, with scale {scaling:.6g} and the ALiBi "
+            f"bias it was handed, reproduces the module's own probabilities and output "
+            f"({'; '.join(tries) or 'no known layout fits'})")
+    lname, parts = chosen
+    return LayerConventions(
+        layer=L, attention=type(attn).__name__, layout=lname, output=out_name, rotary=None,
+        rotary_dim=0, pairing="half", tables="single", amplitude=1.0, scaling=scaling,
+        softcap=None, window=None, qk_norm=False, norm_eps=math.nan,
+        qkv_bias=parts["q"][1] is not None, o_bias=out_lin.bias is not None, sinks=False,
+        output_direct=True, order="none", input_dim=m, call_args=tuple(sorted(r.call.items())),
+        clip=clip, alibi=tuple(float(v) for v in slopes), bias_arg=_bias_arg(attn),
+        mask_form=form)
+
+
+def _bias_arg(attn: Any) -> str:
+    return inline_bias_arg(attn) or ""
 
 
 def _sink_parameter(attn: Any, s_aux: Any, H: int, who: str, L: int) -> str:
@@ -1172,6 +1381,17 @@ def _sizes(info: ModelInfo, recs: dict[int, AttentionRecord]
     are the first read layer's, each layer's its own (:meth:`ModelInfo.for_layer`)."""
     got = {}
     for L, r in recs.items():
+        if r.inline:  # heads from the probabilities it returns, their width from the output
+            # projection's input; one KV head per query head and values as wide as the queries
+            # (the layouts that fit an inline module; its reading proves them)
+            if r.weights is None or r.weights.dim() != 4 or r.output is None:
+                raise UnsupportedModelError(
+                    f"{info.name}: layer {L}'s {INLINE_TEXT} returned no (batch, heads, tokens, "
+                    "keys) probabilities, or its output projection did not run on its heads")
+            H = int(r.weights.shape[1])
+            d = int(r.output.shape[-1])
+            got[L] = (H, H, d, d)
+            continue
         if r.query is None or r.key is None or r.value is None or r.query.dim() != 4:
             raise UnsupportedModelError(f"{info.name}: layer {L}'s attention function was not "
                                         "given (batch, heads, tokens, dim) queries, keys, values")
@@ -1205,6 +1425,9 @@ def _read_model(model: Any, info: ModelInfo) -> ModelInfo:
         raise UnsupportedModelError(
             f"{info.name}: no layer computes softmax attention the adapter can read (layer {L}: "
             f"{why})")
+    if info.rope_type == "none" and not any(r.cos is not None or r.inline
+                                             for r in recs.values()):
+        raise _no_positions(info)  # nothing rotated nor biased: refused before any reading
     info, sizes = _sizes(info, recs)
     read: dict[int, LayerConventions] = {}
     for L, r in recs.items():
@@ -1230,11 +1453,20 @@ def _read_model(model: Any, info: ModelInfo) -> ModelInfo:
                     f"{info.name}: layer {c.layer} names {named} but its mask over {n2} tokens "
                     "is not that")
     convs = list(read.values())
+    if info.rope_type == "none" and not any(c.rotary or c.alibi for c in convs):
+        raise _no_positions(info)
     return replace(info, family="qknorm" if any(c.qk_norm for c in convs) else "dot",
                    qkv_bias=any(c.qkv_bias for c in convs),
                    o_bias=any(c.o_bias for c in convs), layers=layers,
                    others=tuple(others.items()),
                    rms_eps=next((c.norm_eps for c in convs if c.qk_norm), info.rms_eps))
+
+
+def _no_positions(info: ModelInfo) -> UnsupportedModelError:
+    return UnsupportedModelError(
+        f"{info.name}: model_type={info.model_type!r} names no RoPE parameters "
+        f"({', '.join(ROPE_HINTS)}) and no layer adds an ALiBi bias: not a rotary or ALiBi "
+        "attention model")
 
 
 def check_layer_index(info: ModelInfo, layer: int) -> int:
@@ -1436,6 +1668,7 @@ def layer_head(model: Any, layer: int, n_positions: int, *, dtype: torch.dtype =
                       cos=cos.to(dtype), sin=sin.to(dtype), freqs=freqs),
         family="qknorm" if conv.qk_norm else "dot", scale=conv.score_scale,
         softcap=conv.softcap, norm_eps=norm_eps, window=conv.window, chunk=conv.chunk,
+        alibi_slopes=tuple(conv.alibi) if conv.alibi else None,
         norm_scope=conv.norm_scope if conv.qk_norm else "head",
         norm_kind=conv.norm_kind if conv.qk_norm else "rms")
     weights.check(spec, m)

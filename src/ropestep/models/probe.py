@@ -10,6 +10,13 @@ duration of a ``with`` block by a wrapper that calls the original unchanged and 
 received and returned, per decoder layer; a forward pre-hook on the attention module keeps its
 input ``hidden_states`` and the ``position_embeddings`` (the layer's RoPE tables) it was given.
 
+A module that computes its scores *inline* (BLOOM's and MPT's attention: no such function, an
+ALiBi bias handed to the module as ``alibi`` or ``position_bias``) is recorded around the module
+instead (:func:`inline_bias_arg`): its input, the bias and mask it was handed, the probabilities
+it returns, and the heads' output as the output projection's input.  Its queries, keys and
+values are never handed to a function, so they are not recorded: the reading proves the layout,
+scale and slopes it reads by reproducing those probabilities and that output.
+
 Nothing here interprets the tensors: :mod:`ropestep.models.conventions` reads the conventions
 from them and checks its reading against them.
 """
@@ -27,6 +34,22 @@ from .errors import UnsupportedModelError
 from .structure import attention_module, attention_modules, layer_modules, model_name
 
 EAGER = "eager_attention_forward"
+# the parameters by which an attention module that computes its scores inline is handed an
+# additive position bias (ALiBi: BLOOM's ``alibi``, MPT's ``position_bias``)
+INLINE_BIAS_ARGS = ("alibi", "position_bias")
+
+
+def inline_bias_arg(attn: Any) -> str | None:
+    """The parameter of ``attn.forward`` that hands it an additive position bias, for a module
+    whose modeling module has no :data:`EAGER` function (it computes its scores inline), or
+    None."""
+    if eager_module(attn) is not None:
+        return None
+    try:
+        params = inspect.signature(attn.forward).parameters
+    except (TypeError, ValueError):
+        return None
+    return next((n for n in INLINE_BIAS_ARGS if n in params), None)
 
 
 @dataclass
@@ -49,6 +72,11 @@ class AttentionRecord:
     call: dict = field(default_factory=dict)
     o_in: torch.Tensor | None = None  # the output projection's input (kept on request)
     o_out: torch.Tensor | None = None  # the output projection's output (kept on request)
+    # an inline module (:func:`inline_bias_arg`): the additive position bias it was handed (as
+    # passed: BLOOM ``(B H, 1, N)``, MPT ``(H, 1, max_seq_len)``); ``output`` is then the output
+    # projection's input viewed as ``(B, n, H, r)`` and ``query``/``key``/``value`` stay None
+    bias: torch.Tensor | None = None
+    inline: bool = False
 
 
 def tables(pe: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -92,6 +120,7 @@ def recording(model: Any, layers: Sequence[int], *, keep: Sequence[str] = (
     rec: dict[int, list[AttentionRecord]] = {int(L): [] for L in layers}
     owner: dict[int, int] = {}
     modules: dict[str, Any] = {}
+    inline: dict[int, str] = {}  # layer -> its bias parameter, for inline modules
     handles = []
     for L in rec:
         attn = attention_module(mods[L], who, L)
@@ -99,9 +128,14 @@ def recording(model: Any, layers: Sequence[int], *, keep: Sequence[str] = (
         name = type(attn).__module__
         mm = sys.modules.get(name)
         if mm is None or not callable(getattr(mm, EAGER, None)):
-            raise UnsupportedModelError(
-                f"{who}: the attention of layer {L} ({type(attn).__name__}) does not compute its "
-                f"scores in {name}.{EAGER}, so its intermediate tensors cannot be read")
+            arg = inline_bias_arg(attn)
+            if arg is None:
+                raise UnsupportedModelError(
+                    f"{who}: the attention of layer {L} ({type(attn).__name__}) does not compute "
+                    f"its scores in {name}.{EAGER} and is handed no ALiBi bias "
+                    f"({', '.join(INLINE_BIAS_ARGS)}), so its intermediate tensors cannot be read")
+            inline[L] = arg
+            continue
         modules[name] = mm
 
     def pre_hook(L: int, attn: Any):
@@ -118,7 +152,37 @@ def recording(model: Any, layers: Sequence[int], *, keep: Sequence[str] = (
             if pe is not None and ("cos" in keep or "sin" in keep):
                 r.cos, r.sin = tables(pe)
                 r.complex_tables = torch.is_tensor(pe)
+            if L in inline:
+                r.inline = True
+                b, mk = a.get(inline[L]), a.get("attention_mask")
+                if torch.is_tensor(b):
+                    r.bias = b.detach()
+                if "mask" in keep and torch.is_tensor(mk):
+                    r.mask = mk.detach()
             rec[L].append(r)
+        return hook
+
+    def post_hook(L: int):
+        """An inline module's return: ``(output, probabilities, ...)``; its heads' output is the
+        output projection's input (recorded by ``o_hook`` during the call)."""
+        def hook(mod: Any, args: tuple, out: Any) -> None:
+            if not rec[L]:
+                return
+            r = rec[L][-1]
+            if r.kwargs.get("_seen"):
+                raise RuntimeError(f"{who}: layer {L}'s attention module returned twice for one "
+                                   "call")
+            w = out[1] if isinstance(out, tuple) and len(out) > 1 else None
+            if torch.is_tensor(w) and w.dim() == 4:
+                r.kwargs["n_keys"] = int(w.shape[-1])  # the bias guard's key count
+                if "weights" in keep:
+                    r.weights = w.detach()
+                if r.o_in is not None and "output" in keep:
+                    B, H, nq = w.shape[:3]
+                    r.output = r.o_in.reshape(B, nq, H, -1)
+            if "o_in" not in keep:
+                r.o_in = None
+            r.kwargs["_seen"] = True
         return hook
 
     originals = {name: getattr(mm, EAGER) for name, mm in modules.items()}
@@ -162,7 +226,7 @@ def recording(model: Any, layers: Sequence[int], *, keep: Sequence[str] = (
             if not rec[L]:
                 return
             r = rec[L][-1]
-            if "o_in" in keep and args and torch.is_tensor(args[0]):
+            if ("o_in" in keep or L in inline) and args and torch.is_tensor(args[0]):
                 r.o_in = args[0].detach()
             if "o_out" in keep and torch.is_tensor(out):
                 r.o_out = out.detach()
@@ -174,7 +238,9 @@ def recording(model: Any, layers: Sequence[int], *, keep: Sequence[str] = (
         for L in rec:
             attn = attention_module(mods[L], who, L)
             handles.append(attn.register_forward_pre_hook(pre_hook(L, attn), with_kwargs=True))
-            if "o_in" in keep or "o_out" in keep:
+            if L in inline:
+                handles.append(attn.register_forward_hook(post_hook(L)))
+            if "o_in" in keep or "o_out" in keep or L in inline:
                 from .structure import output_projection
 
                 try:
@@ -246,8 +312,9 @@ def probe_layers(model: Any, n_tokens: int = 12, *, seed: int = 0
                  ) -> tuple[dict[int, AttentionRecord], dict[int, str]]:
     """Every decoder layer classified on one forward (:func:`probe_forward`'s tokens):
     ``(records, others)`` -- the record of each layer whose attention module computed softmax
-    attention once in ``eager_attention_forward`` (the output projection's input and output
-    kept too), and for every other layer why it is not read: no attention module (a hybrid's
+    attention once in ``eager_attention_forward``, or inline with an ALiBi bias
+    (:func:`inline_bias_arg`) (the output projection's input and output kept too), and for
+    every other layer why it is not read: no attention module (a hybrid's
     linear-attention, convolution or state-space layer), an attention module whose scores are
     not computed by that function, or one that never called it (linear attention).  An
     attention module that called it more than once (differential attention) is refused."""
@@ -265,7 +332,7 @@ def probe_layers(model: Any, n_tokens: int = 12, *, seed: int = 0
                          f"{len(found)} attention modules ({', '.join(n for n, _ in found)})")
             continue
         attn = found[0][1]
-        if eager_module(attn) is None:
+        if eager_module(attn) is None and inline_bias_arg(attn) is None:
             others[L] = (f"{type(attn).__name__} does not compute its scores in "
                          f"{type(attn).__module__}.{EAGER}")
             continue
