@@ -66,6 +66,7 @@ def test_the_library_passes_and_each_wrong_slope_fails(alibi_model):
     assert spec.alibi_slopes is not None
     assert lr.check(anchor_every=8).passed
     assert all(lr.step(h, -1).passed for h in range(spec.n_heads))
+    assert "ALiBi" in lr.step(0, -1).not_defined["descent"]
     s = spec.alibi_slopes
     wrong = {
         "slopes halved": tuple(v / 2 for v in s),

@@ -27,7 +27,8 @@ from ropestep import archzoo, cli, models, tolerances  # noqa: E402
 # what is not modelled yet: per command, the words its one-line refusal must contain (a
 # command not named here must pass every check)
 EXPECTED_REFUSALS: dict[str, dict[str, str]] = {
-    "doge": {"atlas": "per-head attention mask", "validate": "per-head attention mask"},
+    "doge": {"atlas": "per-head score bias through its attention mask (not affine",
+             "validate": "per-head score bias through its attention mask (not affine"},
 }
 ATLAS = ["--contexts", "1", "--len", "40", "--layers", "all", "--anchor-every", "16",
          "--seed", "3", "--no-figures"]

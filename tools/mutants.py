@@ -204,6 +204,7 @@ T_RC_NO_READOUT = (T_REALCHECKS
                    + "::test_no_global_readout_bound_recomputed_from_the_models_attention")
 T_RC_PLANTED = T_REALCHECKS + "::test_exact_rows_report_planted_relative_errors"
 T_PLANTED = "tests/test_planted_defaults.py"
+T_ALIBI = "tests/test_alibi_models.py"
 
 CORE = (T_MUT, T_F64)
 SCALE_FAST = (T_SCALE + "::test_against_exact_oracle", T_SCALE + "::test_matches_fast_step")
@@ -709,6 +710,37 @@ MUTANTS: tuple[Mutant, ...] = (
            "        return encode(x.astype(np.float32).tolist())\n",
            "the report encoder passes a tensor through float32 (a kappa of 1e198 written as inf)",
            tests=(T_PLANTED + "::test_encoder_keeps_float64_tensors",)),
+    # --- ALiBi computed inside the module (BLOOM, MPT): the reading and the per-run guard -------
+    Mutant("alibi-slope-sign", "models/conventions.py",
+           "clip=clip, alibi=tuple(float(v) for v in slopes), bias_arg=_bias_arg(attn),",
+           "clip=clip, alibi=tuple(-float(v) for v in slopes), bias_arg=_bias_arg(attn),",
+           "an inline ALiBi layer's slopes read with the opposite sign (the bias taken as "
+           "slope (p_i - p_j))",
+           tests=(T_ALIBI,)),
+    Mutant("alibi-slope-from-first-step", "models/conventions.py",
+           "    slope = (kb[:, -1] - kb[:, 0]) / (p[-1] - p[0])\n",
+           "    slope = (kb[:, 1] - kb[:, 0]) / (p[-1] - p[0])\n",
+           "the slope fitted from the first two keys divided by the whole span (slopes N-1 "
+           "times too small)",
+           tests=(T_ALIBI,)),
+    Mutant("alibi-mask-drop-not-inverted", "models/conventions.py",
+           "            return ~m, \"drop\"\n",
+           "            return m, \"drop\"\n",
+           "MPT's boolean mask (True = masked) taken as the permitted sets",
+           tests=(T_ALIBI,)),
+    Mutant("alibi-guard-off", "models/capture.py",
+           "        if not worst <= 1.0:  # not modelled at these positions: a refusal, not a "
+           "verdict\n",
+           "        if False:  # not modelled at these positions: a refusal, not a verdict\n",
+           "the capture's per-run ALiBi bias guard never refuses (a run the model does not "
+           "position, or a bias changed after loading, goes on to a verdict)",
+           tests=(T_ALIBI,)),
+    Mutant("alibi-atlas-descent-defined", "layercheck.py",
+           "    return spec.softcap is None and spec.sinks is None and spec.alibi_slopes is None",
+           "    return spec.softcap is None and spec.sinks is None",
+           "the atlas's step statistics computed on ALiBi heads (whose keys' features carry the "
+           "bias coordinate the statistics leave out)",
+           tests=("tests/test_atlas_summaries.py::test_evaluate_layer_defaults_timers_and_refusal",)),
     # --- equivalent by design (kept to show the tool reports them, each with its reason) ----------
     Mutant("scale-centring-first-key", "scale.py",
            "kbar, vbar = k.mean(0), v.mean(0)",

@@ -997,11 +997,13 @@ class LayerRun:
         nd: dict = {}
         if not affine:
             nd["input_space"] = self.input_space_reason
-        if spec.softcap is not None or sinks:
+        if spec.softcap is not None or sinks or spec.alibi_slopes is not None:
             why = ("soft-capped scores: the unit step's descent statistics are derived for "
                    "phi = id (docs/math.md section 3)" if spec.softcap is not None else
                    "attention sinks: the sink key's feature lies in the bias coordinate "
-                   "(docs/math.md section 13)")
+                   "(docs/math.md section 13)" if sinks else
+                   "ALiBi biases: every key's feature carries a bias coordinate, which the "
+                   "descent statistics leave out (docs/math.md sections 8 and 13)")
             nd["descent"] = f"not defined: {why}"
         elif gauge == "original":
             qd = fast.query_descent(st)

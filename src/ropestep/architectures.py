@@ -649,6 +649,8 @@ def _fmt(v: Any) -> str:
         return "yes" if v else "no"
     if isinstance(v, float):
         return num(v, ".4g")
+    if isinstance(v, tuple):  # one value per head (ALiBi slopes), as the JSON's list renders
+        return "(" + ", ".join(_fmt(x) for x in v) + ")"
     return str(v)
 
 

@@ -269,6 +269,16 @@ ARCHITECTURES.update({
         "an RMS norm; HeadSpec.norm_kind 'layer'), fused per-head query_key_value, partial "
         "rotary 0.5, in query space",
         base=_MHA, qk_layernorm=True, partial_rotary_factor=0.5, rope_parameters=dict(_ROPE)),
+    "bloom": _arch(
+        "bloom", "ALiBi computed inside the module (no rotary embedding, no score function): "
+        "the bias slope_h p_j handed as `alibi`, per-head fused query_key_value, scale "
+        "inv_norm_factor, LayerNorm, residual added inside the attention",
+        base=_MHA),
+    "mpt": _arch(
+        "mpt", "ALiBi computed inside the module: the bias handed as `position_bias` "
+        "(max_seq_len columns, the last N used), fused Wqkv [q; k; v], a boolean mask whose "
+        "True entries are masked, scale softmax_scale, no biases",
+        base=_MHA, expansion_ratio=2),
     "doge": _arch(
         "doge", "a data-dependent additive mask per head and key (Doge's dynamic mask, computed "
         "from the values): refused with one line (not modelled; the zoo's refused outcome)",

@@ -502,6 +502,16 @@ def _permitted(r: AttentionRecord, n: int, who: str, L: int) -> torch.Tensor:
         return torch.ones(n, N, dtype=torch.bool)
     m = r.mask.reshape(-1, *r.mask.shape[-2:])
     if m.shape[0] != 1:
+        if m.dtype != torch.bool and bool(((m != 0) & (m > torch.finfo(m.dtype).min / 2)).any()):
+            last = m[:, -1, :N].to("cpu", F64)  # the last query reads every key (causal)
+            affine = bool(torch.isfinite(last).all()) and \
+                alibi_fit(last, torch.arange(N), m.dtype)[1] <= 1.0
+            raise UnsupportedModelError(
+                f"{who}: layer {L} adds a per-head score bias through its attention mask ("
+                + ("affine in the key position: ALiBi folded into the mask, as Falcon's alibi "
+                   "does -- a bias it builds from bfloat16 products, not slope * position to "
+                   "the model's precision" if affine else
+                   "not affine in the key position: a data-dependent mask") + "): not modelled")
         raise UnsupportedModelError(f"{who}: layer {L} has a per-head attention mask")
     m = m[0, :, :N].to("cpu")
     if m.dtype == torch.bool:
