@@ -216,7 +216,7 @@ _LATENT_PARTS = models.conventions._latent_parts
     ("qwen3_next", "gate"), ("nanochat", "sign"), ("bitnet", "output"), ("gpt_neox", "pairs"),
     ("gptj", "order"), ("deepseek_v3", "latent_order"), ("deepseek_v2", "latent_split"),
     ("gpt_oss", "sink"), ("hunyuan_v1_dense", "norm_order"), ("llama4_text", "chunk"),
-    ("bloom", "alibi_slope"), ("mpt", "alibi_sign")])
+    ("bloom", "alibi_slope"), ("mpt", "alibi_sign"), ("qwen3_next", "gate_applied")])
 def test_a_wrong_reading_of_each_new_convention_fails_the_run(name, what, tmp_path,
                                                               monkeypatch):
     conv = models.conventions
@@ -244,6 +244,16 @@ def test_a_wrong_reading_of_each_new_convention_fails_the_run(name, what, tmp_pa
             return replace(spec, chunk=spec.chunk and spec.chunk + 1), w
 
         monkeypatch.setattr(models, "layer_head", longer_chunk)
+    elif what == "gate_applied":  # the output gate applied as 1 - sigmoid (its pre-activation
+        # negated): the heads and head-space write are unaffected, the model's write is not
+        real_gate = models.layer_gate
+
+        def other_side(*a, **k):
+            g = real_gate(*a, **k)
+            return None if g is None else replace(
+                g, w_g=-g.w_g, b_g=None if g.b_g is None else -g.b_g)
+
+        monkeypatch.setattr(models, "layer_gate", other_side)
     elif what in ("alibi_slope", "alibi_sign"):  # ALiBi slopes read at half their value, or
         # with the sign of the bias reversed (slope (p_i - p_j))
         real_head = models.layer_head
@@ -275,7 +285,8 @@ def test_a_wrong_reading_of_each_new_convention_fails_the_run(name, what, tmp_pa
         monkeypatch.setattr(conv, "_read_layer", as_handed)
     rec = architectures.run_type(name, tmp_path, 0, cli.main)
     assert rec["outcome"] in ("fail", "refused"), (rec["outcome"], what)
-    if what != "output":  # the atlas reads the heads only; the write is validate's
+    if what not in ("output", "gate_applied"):  # the atlas reads the heads only; the write
+        # is validate's
         assert rec["atlas"]["outcome"] in ("fail", "refused"), (rec["atlas"], what)
     else:
         assert rec["validate"]["outcome"] == "fail"

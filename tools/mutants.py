@@ -205,6 +205,7 @@ T_RC_NO_READOUT = (T_REALCHECKS
 T_RC_PLANTED = T_REALCHECKS + "::test_exact_rows_report_planted_relative_errors"
 T_PLANTED = "tests/test_planted_defaults.py"
 T_ALIBI = "tests/test_alibi_models.py"
+T_GATE = "tests/test_output_gate.py"
 
 CORE = (T_MUT, T_F64)
 SCALE_FAST = (T_SCALE + "::test_against_exact_oracle", T_SCALE + "::test_matches_fast_step")
@@ -741,6 +742,17 @@ MUTANTS: tuple[Mutant, ...] = (
            "the atlas's step statistics computed on ALiBi heads (whose keys' features carry the "
            "bias coordinate the statistics leave out)",
            tests=("tests/test_atlas_summaries.py::test_evaluate_layer_defaults_timers_and_refusal",)),
+    # --- an output gate applied after the heads (Qwen3-Next) -------------------------------
+    Mutant("gate-without-sigmoid", "models/conventions.py",
+           "o = torch.einsum(\"hqr,hrd->qd\", torch.sigmoid(g) * y, self.w_o.to(dev, dt))",
+           "o = torch.einsum(\"hqr,hrd->qd\", g * y, self.w_o.to(dev, dt))",
+           "the read output gate applied without its sigmoid",
+           tests=(T_GATE,)),
+    Mutant("gate-check-always-passes", "contextcheck.py",
+           "        comb[\"pass_gated_write\"] = native_ok(gw, mw, model_dtype)\n",
+           "        comb[\"pass_gated_write\"] = True\n",
+           "validate's gated_write check never fails (a wrong gate reading goes unseen)",
+           tests=(T_GATE,)),
     # --- equivalent by design (kept to show the tool reports them, each with its reason) ----------
     Mutant("scale-centring-first-key", "scale.py",
            "kbar, vbar = k.mean(0), v.mean(0)",

@@ -584,7 +584,8 @@ class CandidateRun:
             raise ApiError(f"layer {L}'s weights changed since this block ran: run it again")
         if head is None:
             head = self.attached.head_description(L, len(self.block.ids), device=device)
-        return contextcheck.evaluate_layer(*head, self.context, L, model_dtype, device)
+        gate = models.layer_gate(self.attached.model, L, info=self.attached.info)
+        return contextcheck.evaluate_layer(*head, self.context, L, model_dtype, device, gate)
 
 
 class Run:

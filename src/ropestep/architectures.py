@@ -65,7 +65,7 @@ COMMAND_ARGS = {"atlas": ATLAS_ARGS, "validate": VALIDATE_ARGS}
 SUMMARY_FIELDS = ("attention", "layout", "output", "rotary", "rotary_dim", "pairing", "tables",
                   "amplitude", "scaling", "score_scale", "softcap", "window", "chunk", "qk_norm",
                   "norm_kind",
-                  "qkv_bias", "o_bias", "sinks", "alibi")
+                  "qkv_bias", "o_bias", "sinks", "alibi", "output_gate")
 
 # atlas: per-head check -> the report field holding its worst measured/bound ratio
 ATLAS_RATIOS = {
@@ -533,7 +533,7 @@ def validate_checks(report: dict) -> dict:
     """Every check of a validate report's verdict, worst over layers (and contexts, heads):
 
     * reconstruction rows (``identity``, ``relation``, ``projected_write``, ``self_mass``,
-      ``native``) and the calibration's ``frozen_crosscheck`` / ``refresh_identity``: allclose
+      ``native``, and ``gated_write`` on a layer with an output gate) and the calibration's ``frozen_crosscheck`` / ``refresh_identity``: allclose
       criteria ``|a - b| <= atol + rtol |b|``; report.json keeps ``max|a - b|`` but not ``|b|``,
       so the ratio given is ``max_abs / atol`` (kind ``max_abs/atol``), an upper bound of the
       check's own ratio (above 1 only where the rtol term carried the pass);
@@ -689,6 +689,8 @@ def conventions_text(conv: dict | None) -> str:
             parts.append(label if s[f] is True else f"{label} {_field(s, f)}")
     if s.get("alibi"):  # absent from reports before the ALiBi reading
         parts.append(f"ALiBi slopes {_field(s, 'alibi')}")
+    if s.get("output_gate"):  # absent from reports before the gate reading
+        parts.append(f"output gate {_field(s, 'output_gate')}")
     parts.append(f"out `{_field(s, 'output')}`")
     parts.append(f"`{_field(s, 'attention')}`")
     return ", ".join(parts)

@@ -62,8 +62,10 @@ class Rows:
 
     x: torch.Tensor  # (n, m) input_layernorm output = head input
     heads: torch.Tensor  # (n, H, r) per-head attention output = o_proj input
-    o: torch.Tensor  # (n, hidden) o_proj output
+    o: torch.Tensor  # (n, hidden) o_proj output (in head space where a norm or gate sits
+    # between the heads and o_proj: the concatenated heads)
     self_mass: torch.Tensor | None = None  # (n, H) the model's own probability on its own key
+    write: torch.Tensor | None = None  # (n, hidden) the o_proj output where o is in head space
 
 
 @dataclass
@@ -85,8 +87,9 @@ def context_capture(block: Block, bc: Any, layers: Sequence[int]) -> ContextCapt
     forward) and every candidate's row at ``L-1`` (on the prefix cache)."""
     def rows(c: Any, sl: slice = slice(None)) -> Rows:
         sm = None if c.self_mass is None else c.self_mass[sl].float()
+        wr = None if getattr(c, "write", None) is None else c.write[sl].float()
         return Rows(x=c.x[sl].float(), heads=c.heads[sl].float(), o=c.o[sl].float(),
-                    self_mass=sm)
+                    self_mass=sm, write=wr)
 
     prefix = {L: rows(bc.full[L], slice(None, -1)) for L in layers}
     obs = {L: (bc.full[L].heads[-1].float().clone(), bc.full[L].o[-1].float().clone())
@@ -136,8 +139,14 @@ class LayerContext:
 
 
 def evaluate_layer(spec, weights, cap: ContextCapture, layer: int, model_dtype: str,
-                   device: Any = "cpu") -> LayerContext:
-    """All measurements of one context at one layer (float64 unless stated)."""
+                   device: Any = "cpu", gate: Any = None) -> LayerContext:
+    """All measurements of one context at one layer (float64 unless stated).
+
+    ``gate``: the layer's output gate (:func:`ropestep.models.layer_gate`) where the write is
+    taken in head space because a gate sits between the heads and the output projection: the
+    combined row then also carries ``native_gated_write``, the gate applied after the heads'
+    output the identity reconstructs and projected, against the model's own write, with its
+    pass flag ``pass_gated_write`` (the native criterion)."""
     f64 = torch.float64
     pre, qry = cap.prefix[layer], cap.queries[layer]
     xp = pre.x.to(device, f64)  # (N, m)
@@ -218,6 +227,12 @@ def evaluate_layer(spec, weights, cap: ContextCapture, layer: int, model_dtype: 
     comb["pass_relation"] = rs.allclose_report(write(y_rel), oF, *trel)
     comb["pass_native"] = (native_ok(oFr, native_o, model_dtype)
                            and native_ok(oFr[0], obs_o, model_dtype))
+    if gate is not None:  # the read gate applied after the reconstructed heads, then o_proj
+        if qry.write is None:
+            raise ValueError(f"layer {layer}: a gated layer's capture holds no model write")
+        gw, mw = gate.write(xq, rdF), qry.write.to(device, f64)
+        comb["native_gated_write"] = _err(gw, mw)
+        comb["pass_gated_write"] = native_ok(gw, mw, model_dtype)
     rows.append(comb)
 
     # -- fast path in float32 and bfloat16, both gauges, full bank --

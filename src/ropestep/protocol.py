@@ -609,6 +609,9 @@ ROW_FIELDS = {
     "native": (("native", "mse"), ("native", "max_abs"),
                ("native_observed_full_forward", "mse"),
                ("native_observed_full_forward", "max_abs")),
+    # a layer with an output gate: the gate applied after the reconstructed heads, projected,
+    # against the model's own write (the combined row, native criterion)
+    "gated_write": (("native_gated_write", "mse"), ("native_gated_write", "max_abs")),
 }
 # further errors of a row: no tolerance of their own in the paper, but never non-finite
 ROW_SCALARS = ("mean_max_abs", "cache_vs_full_forward_max_abs")
@@ -760,6 +763,10 @@ def summarize_layer(ctxs: list[LayerContext], heads: Sequence[int], n_heads: int
         out["relation_max_abs"] = worst(r["relation_max_abs"] for r in sel)
         out["cache_vs_full_forward_max_abs"] = worst(r["cache_vs_full_forward_max_abs"]
                                                      for r in sel)
+        gated = [r["native_gated_write"] for r in sel if "native_gated_write" in r]
+        if gated:  # an output gate: the gated write against the model's own
+            out["native_gated_write"] = {"mse": _mean([g["mse"] for g in gated]),
+                                         "max_abs": worst(g["max_abs"] for g in gated)}
         out["pass"] = sum(row_ok(r) for r in sel)
         out["rows"] = len(sel)
         return out

@@ -201,6 +201,12 @@ def _layer_md(layer: int, lr: dict, r: dict, paper: dict | None, figs: list[str]
     L += _table(["Head", "prefix MSE", "prefix max", "full MSE", "full max", "relation max",
                  "native MSE", "native max", "native max (full fwd)", "pass"], rows)
     L.append("")
+    gw = rec["combined"].get("native_gated_write")
+    if gw is not None:
+        L += [f"Output gate: the read gate applied after the float64 formula's heads and "
+              f"projected, against the model's own write: MSE {fmt(gw['mse'])}, max "
+              f"{fmt(gw['max_abs'])} (the native criterion; the rows above are in head space).",
+              ""]
     if paper:
         p = paper["reconstruction"]
         c = rec["combined"]

@@ -30,8 +30,8 @@ from __future__ import annotations
 from . import attention  # noqa: F401  (models.attention: the layer run for the checks)
 from .capture import (BlockCapture, ContinuationCapture, LayerCapture, capture, capture_block,
                       capture_continuations, top_candidates)
-from .conventions import (LayerConventions, ModelInfo, check_config, check_layer_index,
-                          describe_model, layer_head, rope_tables)
+from .conventions import (LayerConventions, ModelInfo, OutputGate, check_config,
+                          check_layer_index, describe_model, layer_gate, layer_head, rope_tables)
 from .errors import CaptureError, ModelLoadError, UnsupportedModelError
 from .loading import (CACHE_MARKER, SMOLLM2_DISTRIBUTION, SMOLLM2_GGUF, SMOLLM2_PACKAGE,
                       add_model_arguments, add_placement_arguments, disable_tf32,
@@ -40,10 +40,10 @@ from .loading import (CACHE_MARKER, SMOLLM2_DISTRIBUTION, SMOLLM2_GGUF, SMOLLM2_
 
 __all__ = [
     "BlockCapture", "CACHE_MARKER", "CaptureError", "ContinuationCapture", "LayerCapture", "LayerConventions",
-    "ModelInfo", "ModelLoadError", "SMOLLM2_DISTRIBUTION", "SMOLLM2_GGUF", "SMOLLM2_PACKAGE",
+    "ModelInfo", "ModelLoadError", "OutputGate", "SMOLLM2_DISTRIBUTION", "SMOLLM2_GGUF", "SMOLLM2_PACKAGE",
     "UnsupportedModelError", "add_model_arguments", "add_placement_arguments", "capture",
     "capture_block",
     "capture_continuations", "check_config", "check_layer_index", "describe_model",
-    "disable_tf32", "gguf_cache_dir", "gguf_cache_root", "layer_head", "load_model",
+    "disable_tf32", "gguf_cache_dir", "gguf_cache_root", "layer_gate", "layer_head", "load_model",
     "locate_smollm2_gguf", "meta_model", "placement", "placement_record", "read_config", "rope_tables", "top_candidates",
 ]

@@ -44,6 +44,10 @@ class LayerCapture:
     # (n, H): the model's own attention probability on each row's own key (the last key it
     # sees), from the eager attention's returned weights; only where requested
     self_mass: torch.Tensor | None = None
+    # (n, hidden): the output projection's output where ``o`` is taken in head space (a norm or
+    # gate in between): the model's own write, which a read output gate applied after the
+    # heads must reproduce (ropestep.contextcheck); None elsewhere
+    write: torch.Tensor | None = None
 
 
 @dataclass
@@ -126,10 +130,12 @@ def _take(rec: dict, info: ModelInfo, calls: int,
         x = torch.cat([t.hidden.reshape(-1, t.hidden.shape[-1]) for t in rs]).cpu()
         hd = torch.cat([t.output.reshape(-1, H, r) for t in rs]).cpu()
         conv = info.layers[L] if info.layers else None
+        wr = None
         if not write:
             o = None
         elif conv is not None and not conv.output_direct:  # the write in head space (layer_head)
             o = hd.reshape(hd.shape[0], H * r).clone()
+            wr = torch.cat([t.o_out.reshape(-1, t.o_out.shape[-1]) for t in rs]).cpu()
         else:
             o = torch.cat([t.o_out.reshape(-1, t.o_out.shape[-1]) for t in rs]).cpu()
         sm = None
@@ -142,7 +148,7 @@ def _take(rec: dict, info: ModelInfo, calls: int,
             raise CaptureError(f"{info.name}: layer {L} captured {x.shape[0]} rows, expected "
                                f"{positions.shape[0]}")
         out[L] = LayerCapture(layer=L, positions=positions.clone(), x=x, heads=hd, o=o,
-                              self_mass=sm)
+                              self_mass=sm, write=wr)
     return out
 
 

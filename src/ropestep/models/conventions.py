@@ -108,6 +108,10 @@ class LayerConventions:
     temperature_from: int | None = None
     # QK-norm's form: "rms" (g z / rms z) or "layer" (LayerNorm with a bias: Persimmon)
     norm_kind: str = "rms"
+    # an output gate between the heads and the output projection, read and proven on the layer's
+    # own tensors: "sigmoid" (Qwen3-Next: o_proj(y * sigmoid(x W_g + b_g)), W_g the gated
+    # layout's "g" rows), or "" (none, or something else sits there: output_between says what)
+    output_gate: str = ""
     # ALiBi (an inline module handed a key-position bias: BLOOM, MPT): one slope per query head,
     # the bias slope_h p_j (a row shift of -slope_h (p_i - p_j)); () without
     alibi: tuple = ()
@@ -127,7 +131,7 @@ class LayerConventions:
             "amplitude", "scaling", "softcap", "window", "qk_norm", "norm_scope", "norm_eps",
             "norm_kind", "qkv_bias",
             "o_bias", "sinks", "output_direct", "sign", "order", "value_scale", "clip",
-            "norm_after_rope", "chunk", "temperature_from", "alibi")}
+            "norm_after_rope", "chunk", "temperature_from", "alibi", "output_gate")}
         d["score_scale"] = self.score_scale
         return d
 
@@ -828,6 +832,12 @@ def _read_layer(model: Any, info: ModelInfo, L: int, r: AttentionRecord) -> Laye
                 f"{', soft-capped' if softcap else ''}, masked{', with sinks' if sinks else ''})"
                 f" v by {rel:.2e} relative (bound {tol:.2e}): its score is not the one read")
     direct, between = _output_path(r, who, L)
+    gate = ""
+    if not direct and parts is not None and "g" in parts:
+        gate = _output_gate(r, parts["g"], x64, H, rv, who, L)
+        if gate:
+            between = (f"an output gate {gate}(x W_g + b_g) on the heads (the gate rows of "
+                       f"{lname} q_proj), read and applied after the heads")
     sink_param = _sink_parameter(attn, kw.get("s_aux"), H, who, L) if sinks else ""
     if sinks and r.weights is not None:  # the probabilities it returns must carry the sink's
         # share (validate compares each candidate's own-key probability with the model's)
@@ -859,7 +869,38 @@ def _read_layer(model: Any, info: ModelInfo, L: int, r: AttentionRecord) -> Laye
         inv_freq=inv, output_direct=direct, output_between=between, sign=sgn, latent=latent,
         value_scale=vscale, clip=clip, norm_after_rope=norm_after,
         order="none" if r.cos is None else "complex" if r.complex_tables else order,
-        input_dim=m, call_args=tuple(sorted(r.call.items())), sink_param=sink_param)
+        input_dim=m, call_args=tuple(sorted(r.call.items())), sink_param=sink_param,
+        output_gate=gate)
+
+
+def _output_gate(r: AttentionRecord, part: tuple, x64: torch.Tensor, H: int, rv: int, who: str,
+                 L: int) -> str:
+    """``"sigmoid"`` where the output projection's input is the heads' output times
+    ``sigmoid(x W_g + b_g)`` (the gated layout's gate rows ``part``) within rounding, else ``""``.
+
+    Bound, elementwise: the gate's projection carries ``E_g`` (the projection's rounding,
+    :func:`ropestep.tolerances.rotated_projection_abs`, model dtype plus float64), which moves
+    ``sigmoid`` by at most ``E_g / 4`` (its slope is at most 1/4); the model rounds the sigmoid
+    and the product (two roundings of its dtype, ``2 u`` of each side's magnitude); the heads'
+    output is the model's own tensor on both sides."""
+    if r.o_in is None or r.output is None:
+        return ""
+    n = x64.shape[0]
+    W = part[0]
+    if tuple(W.shape) != (H * rv, x64.shape[-1]):
+        return ""
+    mdt = r.hidden.dtype
+    u = tl.unit_roundoff(mdt) if mdt != F64 else 2.0 ** -53
+    if mdt in (torch.bfloat16, torch.float16):
+        u = 2.0 ** -8 if mdt == torch.bfloat16 else 2.0 ** -11
+    z, A = project_part(part, x64, H)  # (n, H, r)
+    E = tl.rotated_projection_abs(mdt, A, x64.shape[-1] + 1) + tl.rotated_projection_abs(
+        F64, A, x64.shape[-1] + 1)
+    y = r.output.reshape(n, H, rv).to("cpu", F64)
+    got = r.o_in.reshape(n, H, rv).to("cpu", F64)
+    want = y * torch.sigmoid(z)
+    bound = y.abs() * (E / 4 + 2 * u) + 2 * u * got.abs() + tl.SCALE_GUARD
+    return "sigmoid" if bool(((got - want).abs() <= bound).all()) else ""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1683,6 +1724,53 @@ def layer_head(model: Any, layer: int, n_positions: int, *, dtype: torch.dtype =
         norm_kind=conv.norm_kind if conv.qk_norm else "rms")
     weights.check(spec, m)
     return spec, weights
+
+
+@dataclass(frozen=True)
+class OutputGate:
+    """A layer's output gate, as read (:attr:`LayerConventions.output_gate`): the model's write
+    of a token is ``sum_h (act(x W_g[:, h] + b_g[h]) * y_h) W_o[h] + b_o`` with ``y_h`` the
+    heads' output.  ``w_g (m, H, r)``, ``b_g (H, r)`` or None, ``w_o (H, r, hidden)``, ``b_o
+    (hidden,)`` or None (float64 unless asked otherwise)."""
+
+    kind: str  # "sigmoid"
+    w_g: torch.Tensor
+    b_g: torch.Tensor | None
+    w_o: torch.Tensor
+    b_o: torch.Tensor | None
+
+    def write(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """``(Q, hidden)``: the gated write of heads' outputs ``y (H, Q, r)`` of inputs ``x (Q,
+        m)``, in ``y``'s dtype and device."""
+        dt, dev = y.dtype, y.device
+        g = torch.einsum("qm,mhr->hqr", x.to(dev, dt), self.w_g.to(dev, dt))
+        if self.b_g is not None:
+            g = g + self.b_g.to(dev, dt)[:, None]
+        o = torch.einsum("hqr,hrd->qd", torch.sigmoid(g) * y, self.w_o.to(dev, dt))
+        return o if self.b_o is None else o + self.b_o.to(dev, dt)
+
+
+def layer_gate(model: Any, layer: int, *, dtype: torch.dtype = torch.float64,
+               info: ModelInfo | None = None) -> OutputGate | None:
+    """The output gate of decoder layer ``layer`` where one was read and proven on its tensors
+    (:attr:`LayerConventions.output_gate`), else None."""
+    info = info if info is not None and info.layers else describe_model(model)
+    check_layer_index(info, layer)
+    info = info.for_layer(layer)
+    conv = info.layers[layer]
+    if not conv.output_gate:
+        return None
+    H, r, m = info.n_heads, info.r, conv.input_dim or info.hidden
+    attn = attention_module(layer_modules(model)[layer], info.name, layer)
+    with onloaded(attn):
+        W, b = layout_candidates(attn, H, info.n_kv_heads, info.head_dim, r)[conv.layout]["g"]
+        _, out = output_projection(attn, info.name, layer)
+        return OutputGate(
+            kind=conv.output_gate,
+            w_g=W.detach().T.reshape(m, H, r).to("cpu", dtype).contiguous(),
+            b_g=None if b is None else b.detach().reshape(H, r).to("cpu", dtype).contiguous(),
+            w_o=out.weight.detach().T.reshape(H, r, -1).to("cpu", dtype).contiguous(),
+            b_o=None if out.bias is None else out.bias.detach().to("cpu", dtype))
 
 
 def _sinks(attn: Any, conv: LayerConventions) -> tuple[float, ...] | None:

@@ -12,7 +12,7 @@ does not say how its rows split), so each layout known to transformers is one en
 * ``per_head`` -- one ``query_key_value`` whose rows are, head by head, ``[q_h; k_h; v_h]``
   (GPT-NeoX: ``view(..., -1, 3 d).chunk(3)``);
 * ``gated`` -- ``q_proj`` rows, head by head, ``[q_h; g_h]``: the query and an output gate
-  (Qwen3-Next), keys and values separate.
+  (Qwen3-Next), keys and values separate; the gate's rows are its ``"g"`` part.
 
 Every layout that fits a module's attributes is a *candidate*; :mod:`ropestep.models.conventions`
 keeps the one whose queries, keys and values reproduce the module's own (the tensors its eager
@@ -59,7 +59,8 @@ def gated(attn: Any, H: int, Hk: int, d: int, r: int) -> dict | None:
     if (q.out_features, k.out_features, v.out_features) != (2 * H * d, Hk * d, Hk * r):
         return None
     rows = (torch.arange(H)[:, None] * 2 * d + torch.arange(d)[None]).reshape(-1)
-    return {"q": _wb(q, idx=rows), "k": _wb(k, slice(None)), "v": _wb(v, slice(None))}
+    return {"q": _wb(q, idx=rows), "k": _wb(k, slice(None)), "v": _wb(v, slice(None)),
+            "g": _wb(q, idx=rows + d)}  # the gate's rows: the output gate the reading checks
 
 
 FUSED_NAMES = ("qkv_proj", "query_key_value", "Wqkv")
