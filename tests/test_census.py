@@ -216,7 +216,8 @@ _LATENT_PARTS = models.conventions._latent_parts
     ("qwen3_next", "gate"), ("nanochat", "sign"), ("bitnet", "output"), ("gpt_neox", "pairs"),
     ("gptj", "order"), ("deepseek_v3", "latent_order"), ("deepseek_v2", "latent_split"),
     ("gpt_oss", "sink"), ("hunyuan_v1_dense", "norm_order"), ("llama4_text", "chunk"),
-    ("bloom", "alibi_slope"), ("mpt", "alibi_sign"), ("qwen3_next", "gate_applied")])
+    ("bloom", "alibi_slope"), ("mpt", "alibi_sign"), ("qwen3_next", "gate_applied"),
+    ("llama4_text", "temperature")])
 def test_a_wrong_reading_of_each_new_convention_fails_the_run(name, what, tmp_path,
                                                               monkeypatch):
     conv = models.conventions
@@ -244,6 +245,15 @@ def test_a_wrong_reading_of_each_new_convention_fails_the_run(name, what, tmp_pa
             return replace(spec, chunk=spec.chunk and spec.chunk + 1), w
 
         monkeypatch.setattr(models, "layer_head", longer_chunk)
+    elif what == "temperature":  # Llama 4's NoPE query temperature read with floor_scale + 1
+        real_head = models.layer_head
+
+        def later_steps(*a, **k):
+            spec, w = real_head(*a, **k)
+            qt = spec.query_temperature
+            return replace(spec, query_temperature=qt and (qt[0] + 1, qt[1])), w
+
+        monkeypatch.setattr(models, "layer_head", later_steps)
     elif what == "gate_applied":  # the output gate applied as 1 - sigmoid (its pre-activation
         # negated): the heads and head-space write are unaffected, the model's write is not
         real_gate = models.layer_gate

@@ -7,8 +7,9 @@ compared with an independent construction -- the same head *without* chunks give
 permitted sets as an explicit boolean mask -- and the mpmath oracle at 50 digits.  On a tiny
 Llama 4 the chunk is read from the layer's own mask and checked against the
 ``attention_chunk_size`` its configuration names (on a longer forward where the reading forward
-is shorter than one chunk); the NoPE layers' temperature, 1 below ``floor_scale - 1``, is read
-from the module and a run or reading that reaches it is refused, never given a verdict.
+is shorter than one chunk); the NoPE layers' query temperature ``1 + a log(1 + floor((p+1)/f))``
+is read from the module, proven on the reading forward's own queries and carried in
+``HeadSpec.query_temperature`` through every path (the oracle included).
 """
 from __future__ import annotations
 
@@ -92,7 +93,7 @@ def test_a_tiny_llama4s_chunks_are_read_from_its_masks():
     for c in info.conventions():
         chunked = kinds[c.layer] == "chunked_attention"
         assert c.chunk == (16 if chunked else None) and c.window is None
-        assert (c.temperature_from is None) == chunked  # the NoPE layers: temperature from 8191
+        assert (c.temperature_from is None) == chunked  # the NoPE layers (census: from 7)
     L = kinds.index("chunked_attention")
     spec, _ = models.layer_head(model, L, 40)
     assert spec.chunk == 16
@@ -131,32 +132,81 @@ def _with_floor_scale(floor: int):
     return model
 
 
-def test_the_nope_temperature_is_refused_where_a_run_reaches_it(tmp_path, capsys):
+def test_the_nope_temperature_is_read_and_modelled(tmp_path):
     """Llama 4's NoPE layers scale the query at position p by 1 + a log(1 + floor((p+1)/f)):
-    the reading forward (24 tokens) and runs of up to f - 1 tokens see 1; a longer run is
-    refused with the reason (exit 2), and a reading forward that reaches it refuses the model."""
-    from ropestep import archzoo
+    read from the module and proven on the reading forward's own queries (f = 8: it reaches
+    the temperature), carried in HeadSpec.query_temperature through every path; atlas and
+    validate pass on runs past f - 1, and each wrong reading of it fails the library's check."""
+    from dataclasses import replace
 
-    model = _with_floor_scale(30)
+    from ropestep import api, archzoo
+
+    model = _with_floor_scale(8)
     info = models.describe_model(model)
     nope = [c.layer for c in info.conventions() if c.temperature_from is not None]
-    assert nope and all(info.layers[L].temperature_from == 29 for L in nope)
-    models.layer_head(model, nope[0], 29)  # positions 0..28: the temperature is 1
-    with pytest.raises(models.UnsupportedModelError, match="position-dependent temperature from "
-                       "position 29 on .* this run's 40 positions reach it"):
-        models.layer_head(model, nope[0], 40)
+    assert nope and all(info.layers[L].temperature == (8.0, 0.5) for L in nope)
+    assert all(info.layers[L].temperature_from == 7 for L in nope)
+    spec, _ = models.layer_head(model, nope[0], 40)
+    assert spec.query_temperature == (8.0, 0.5)
+    lab = api.attach(model)
+    ids = torch.randint(0, 256, (40,), generator=torch.Generator().manual_seed(3))
+    lr = lab.run(ids, layers=nope[0])[nope[0]]
+    assert lr.check(anchor_every=8).passed and lr.step(0, -1).passed
+    spec, w = lr.head_description
+    for what, wrong in {"no temperature": None, "attn_scale off by 10%": (8.0, 0.55),
+                        "floor_scale one position off": (9.0, 0.5)}.items():
+        lr._spec, lr._head_cache, lr._check = (replace(spec, query_temperature=wrong), w), {}, {}
+        assert not lr.check(anchor_every=8).passed, what
+    with pytest.raises(api.ApiError, match="index in the sequence"):
+        lab.run(ids[:20], layers=nope[0], positions=torch.arange(20) + 3)
     archzoo.save_model(model, tmp_path / "m")
-    rc = cli.main(["atlas", "--model", str(tmp_path / "m"), "--contexts", "1", "--len", "40",
-                   "--layers", "all", "--no-figures", "--quiet", "--out", str(tmp_path / "a")])
-    assert rc == 2 and "position-dependent temperature" in capsys.readouterr().err
-    with pytest.raises(models.UnsupportedModelError, match="which the reading forward of 24 "
-                       "tokens reaches"):
-        models.describe_model(_with_floor_scale(8))
+    for cmd, extra in (("atlas", ["--contexts", "1", "--len", "40", "--layers", "all"]),
+                       ("validate", ["--corpus", "default", "--contexts", "1", "--queries", "4",
+                                     "--prefix-len", "24", "--layers", "all", "--exact-rows",
+                                     "2"])):
+        rc = cli.main([cmd, "--model", str(tmp_path / "m"), *extra, "--no-figures", "--quiet",
+                       "--out", str(tmp_path / cmd)])
+        assert rc == 0, cmd
+
+
+def test_the_temperature_matches_the_oracle():
+    """fast.step (y, readout, input-space Delta M), the streamed layer and the 50-digit oracle
+    with a query temperature, on positions that cross two of its steps (f = 4: tau = 1, then
+    1 + a log 2, 1 + a log 3); L_i = tau(p_i) W R(p_i) in Delta M."""
+    g = torch.Generator().manual_seed(5)
+    spec = HeadSpec(n_heads=H, n_kv_heads=HK, head_dim=D, rope=RoPESpec(base=100.0),
+                    query_temperature=(4.0, 0.7))
+    r = lambda *s: torch.randn(*s, generator=g, dtype=F64)  # noqa: E731
+    w = HeadWeights(w_q=r(M, H, D), w_k=r(M, HK, D), w_v=r(M, HK, D), b_q=r(H, D))
+    x, pos = r(N, M), torch.arange(N)
+    st = fast.step(spec, w, x, pos, x, pos, "causal", delta_m=True)
+    E = exact.build(spec, w, x, pos, x, pos, "causal", dps=50)
+    y_ex = torch.as_tensor(exact.to_float(E.y))
+    tol = tolerances.agreement_rel_tol(F64, N, D, M)
+    vs = float(y_ex.abs().max())
+    assert float((st.y - y_ex).abs().max()) <= tol * vs
+    assert float((st.readout - y_ex).abs().max()) <= tol * vs
+    # Delta M_i against the oracle's, key by key (docs/math.md section 3) at a tempered query
+    dmm = exact.delta_m(E, 0, N - 1)
+    dm_ex = torch.tensor([[float(dmm[a, b]) for b in range(dmm.cols)] for a in range(dmm.rows)],
+                         dtype=F64)
+    dm = st.delta_m[0, N - 1]
+    assert float((dm - dm_ex).abs().max()) <= tol * float(dm_ex.abs().max())
+    ro = torch.zeros(H, N, D, dtype=F64)
+    for ch in scale.stream(spec, w, x, pos, gauge="maxkey", max_bytes=1 << 16):
+        ro[ch.heads[0]:ch.heads[-1] + 1, ch.queries] = ch.readout
+    assert float((ro - y_ex).abs().max()) <= tol * vs
+    # power: without the temperature the head is another function from position f - 1 = 3 on
+    from dataclasses import replace
+
+    st0 = fast.step(replace(spec, query_temperature=None), w, x, pos, x, pos, "causal")
+    assert float((st0.y[:, :3] - st.y[:, :3]).abs().max()) <= tol * vs
+    assert float((st0.y[:, 3:] - st.y[:, 3:]).abs().max()) > 1e3 * tol * vs
 
 
 def test_power_the_temperature_is_real_beyond_it():
-    """The refusal guards something: past floor_scale - 1 the module's queries are not the
-    projection's (the reading's layout check would miss them), so the plain head is wrong."""
+    """The temperature is real: past floor_scale - 1 the module's queries are not the
+    projection's, so the plain head (no temperature) would be wrong there."""
     from ropestep.models.probe import probe_forward
 
     model = _with_floor_scale(8)

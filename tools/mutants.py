@@ -206,6 +206,7 @@ T_RC_PLANTED = T_REALCHECKS + "::test_exact_rows_report_planted_relative_errors"
 T_PLANTED = "tests/test_planted_defaults.py"
 T_ALIBI = "tests/test_alibi_models.py"
 T_GATE = "tests/test_output_gate.py"
+T_CHUNK = "tests/test_chunk.py"
 
 CORE = (T_MUT, T_F64)
 SCALE_FAST = (T_SCALE + "::test_against_exact_oracle", T_SCALE + "::test_matches_fast_step")
@@ -359,8 +360,8 @@ MUTANTS: tuple[Mutant, ...] = (
            "** (-1.0 * ell / head_dim)",
            "RoPE frequencies base^(-l/d) instead of base^(-2l/d)"),
     Mutant("query-position-off-by-one", "fast.py",
-           "cos_q, sin_q = rope_cos_sin(spec, pq, cd, q.device)",
-           "cos_q, sin_q = rope_cos_sin(spec, pq + 1, cd, q.device)",
+           "cos_q, sin_q = query_cos_sin(spec, pq, cd, q.device)",
+           "cos_q, sin_q = query_cos_sin(spec, pq + 1, cd, q.device)",
            "queries rotated to position p + 1"),
     Mutant("gqa-modulo-fast", "fast.py",
            "kv_of = torch.arange(spec.n_heads, device=q.device) // spec.group",
@@ -742,6 +743,18 @@ MUTANTS: tuple[Mutant, ...] = (
            "the atlas's step statistics computed on ALiBi heads (whose keys' features carry the "
            "bias coordinate the statistics leave out)",
            tests=("tests/test_atlas_summaries.py::test_evaluate_layer_defaults_timers_and_refusal",)),
+    # --- Llama 4's NoPE query temperature --------------------------------------------------
+    Mutant("temperature-on-keys-too", "scale.py",
+           "        k = apply_rope(k, ck, sk, spec.rope.layout)\n",
+           "        k = apply_rope(k, cos, sin, spec.rope.layout)\n",
+           "the streamed layer rotates its keys with the queries' tables (the query temperature "
+           "applied to the keys as well)",
+           tests=(T_CHUNK,)),
+    Mutant("temperature-floor-of-p", "rope.py",
+           "    tau = 1.0 + float(a) * torch.log1p(torch.floor((p + 1.0) / float(f)))",
+           "    tau = 1.0 + float(a) * torch.log1p(torch.floor(p / float(f)))",
+           "the query temperature's steps one position late (floor(p / f) for floor((p + 1) / f))",
+           tests=(T_CHUNK,)),
     # --- an output gate applied after the heads (Qwen3-Next) -------------------------------
     Mutant("gate-without-sigmoid", "models/conventions.py",
            "o = torch.einsum(\"hqr,hrd->qd\", torch.sigmoid(g) * y, self.w_o.to(dev, dt))",

@@ -447,6 +447,11 @@ class Attached:
             raise ApiError(f"layer {chunked[0]} attends in chunks, which transformers counts "
                            "from the first token, not from its position: positions must start "
                            "at 0 on this model")
+        tempered = [L for L in Ls if self.info.layers[L].temperature]
+        if tempered and int(pos[0]) != 0:
+            raise ApiError(f"layer {tempered[0]} scales its queries by a temperature of the "
+                           "token's index in the sequence, not of its position: positions must "
+                           "start at 0 on this model")
         top = int(pos.max()) + 1
         ctx = self._context()
         if ctx is not None and top > ctx:
@@ -1178,11 +1183,12 @@ class LayerRun:
         if not qs:
             raise ApiError("no queries given")
         if self.spec.family == "latent" or self.spec.norm_after_rope \
-                or self.spec.alibi_slopes is not None:
+                or self.spec.alibi_slopes is not None or self.spec.query_temperature is not None:
             raise ApiError(f"layer {self.layer}: the position derivative against the model's "
                            "attention is not defined here (its formulas assume the rotation "
-                           "acts last on a plain or QK-normed projection, and an ALiBi model "
-                           "derives its positions itself; docs/math.md sections 5 and 13)")
+                           "acts last on a plain or QK-normed projection, and an ALiBi model or "
+                           "a query temperature reads the token's index, not its position id; "
+                           "docs/math.md sections 5 and 13)")
         if self.attached.model.training:
             raise ApiError("the model is in training mode (dropout): call model.eval()")
         with _eager(self.attached.model), models.errors.adapter_errors(

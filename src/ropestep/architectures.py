@@ -65,7 +65,7 @@ COMMAND_ARGS = {"atlas": ATLAS_ARGS, "validate": VALIDATE_ARGS}
 SUMMARY_FIELDS = ("attention", "layout", "output", "rotary", "rotary_dim", "pairing", "tables",
                   "amplitude", "scaling", "score_scale", "softcap", "window", "chunk", "qk_norm",
                   "norm_kind",
-                  "qkv_bias", "o_bias", "sinks", "alibi", "output_gate")
+                  "qkv_bias", "o_bias", "sinks", "alibi", "output_gate", "temperature")
 
 # atlas: per-head check -> the report field holding its worst measured/bound ratio
 ATLAS_RATIOS = {
@@ -649,8 +649,9 @@ def _fmt(v: Any) -> str:
         return "yes" if v else "no"
     if isinstance(v, float):
         return num(v, ".4g")
-    if isinstance(v, tuple):  # one value per head (ALiBi slopes), as the JSON's list renders
-        return "(" + ", ".join(_fmt(x) for x in v) + ")"
+    if isinstance(v, (tuple, list)):  # one value per head (ALiBi slopes), or a pair; the
+        # JSON's lists render as the tuples they were
+        return "(" + ", ".join(_fmt(x) for x in v) + ")" if v else "–"
     return str(v)
 
 
@@ -691,6 +692,9 @@ def conventions_text(conv: dict | None) -> str:
         parts.append(f"ALiBi slopes {_field(s, 'alibi')}")
     if s.get("output_gate"):  # absent from reports before the gate reading
         parts.append(f"output gate {_field(s, 'output_gate')}")
+    t = s.get("temperature")  # absent from reports before the temperature was modelled
+    if t and (not isinstance(t, list) or any(t)):
+        parts.append(f"query temperature {_field(s, 'temperature')}")
     parts.append(f"out `{_field(s, 'output')}`")
     parts.append(f"`{_field(s, 'attention')}`")
     return ", ".join(parts)

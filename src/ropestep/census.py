@@ -83,9 +83,11 @@ OVERRIDES: dict[str, tuple[dict, str]] = {
                               "clip_qkv": 8.0}},
              "the default attn_config names no rope_theta, which the model reads (transformers' "
              "default does not build): base 1e4 given, and DBRX's clip_qkv at 8"),
-    "llama4_text": ({"attention_chunk_size": 16},
+    "llama4_text": ({"attention_chunk_size": 16, "floor_scale": 8},
                     "the default chunk of 8192 positions is longer than any census context: 16 "
-                    "cuts the reading forward and the 40-token runs of its chunked layers"),
+                    "cuts the reading forward and the 40-token runs of its chunked layers; the "
+                    "NoPE layers' query temperature, 1 below floor_scale - 1 = 8191 by default, "
+                    "acts from position 7 with floor_scale 8"),
     "dots3_note_text": ({"num_key_value_heads": archzoo.HEADS},
                         "its validator requires one KV head per query head"),
 }

@@ -393,9 +393,17 @@ def _build(spec: HeadSpec, weights: HeadWeights, x_q: Any, pos_q: Any, x_kv: Any
         y = _zeros(H, Q, r)
         mu = _zeros(H, Q, r)
         Z = _zeros(H, Q)
+        qtemp = spec.query_temperature
+
+        def tau(p):  # Llama 4's NoPE query temperature (spec.query_temperature), or 1
+            if qtemp is None:
+                return mp.mpf(1)
+            f, a = mp.mpf(float(qtemp[0])), mp.mpf(float(qtemp[1]))
+            return 1 + a * mp.log(1 + mp.floor((p + 1) / f))
+
         for h in range(H):
             g = spec.kv_head(h)
-            sc = score_scale(spec, h)
+            sc_h = score_scale(spec, h)
             # keys and values of this head's KV group, rotated with this head's base
             Rk = {}
             for j in range(N):
@@ -418,6 +426,7 @@ def _build(spec: HeadSpec, weights: HeadWeights, x_q: Any, pos_q: Any, x_kv: Any
                                clip([_dot_(Uk[j], Wv[:, g, c]) for c in range(r)]))
             for i in range(Q):
                 Rq = rot(int(pq[i]), h)
+                sc = sc_h * tau(int(pq[i]))  # the query temperature, where the spec has one
                 qin = lat["zq"][i] if latent else U[i]  # [z_i; 1] (latent) or u_i
                 qraw = clip([_dot_(qin, Wq[:, h, c]) for c in range(d)])
                 if spec.norm_after_rope:

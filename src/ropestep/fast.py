@@ -37,7 +37,7 @@ from .kernel import (FLOAT_DTYPES, LOW_PRECISION, augment, augmented_weight, com
                      exp_dd, ftensor, gauge_chunk, latent_qkv, LATENT_FIELDS, phi1, qk_norm,
                      rms_norm, scaled_phi1, transform, transform_dd, uniform_mean, unit_rows,
                      with_sink, clipped)
-from .rope import (apply_rope, rope_cos_sin, rope_derivative, rope_finite_difference,  # noqa: F401
+from .rope import (apply_rope, query_cos_sin, rope_cos_sin, rope_derivative, rope_finite_difference,  # noqa: F401
                    rope_frequencies, rope_generator, rope_phi1, rope_rotation)
 from .spec import HeadSpec, HeadWeights, check_inputs, resolve_mask, _positions
 
@@ -115,7 +115,7 @@ def project(spec: HeadSpec, weights: HeadWeights, x_q: Any, pos_q: Any, x_kv: An
     k, v = k[kv_of], v[kv_of]
     pq = torch.as_tensor(_positions(pos_q, "pos_q"), device=q.device)
     pk = torch.as_tensor(_positions(pos_kv, "pos_kv"), device=q.device)
-    cos_q, sin_q = rope_cos_sin(spec, pq, cd, q.device)
+    cos_q, sin_q = query_cos_sin(spec, pq, cd, q.device)  # a query temperature folded in
     cos_k, sin_k = rope_cos_sin(spec, pk, cd, q.device)
     q = apply_rope(q, cos_q, sin_q, spec.rope.layout)
     k = apply_rope(k, cos_k, sin_k, spec.rope.layout)

@@ -102,8 +102,9 @@ def evaluate_layer(spec: HeadSpec, weights: HeadWeights, x: torch.Tensor, positi
         if spec.norm_after_rope:  # the gain acts after the rotation: rotate g-less, then gain
             w_unrot = replace(weights, q_norm=torch.ones(spec.head_dim, dtype=torch.float64))
             post_gain = torch.as_tensor(weights.q_norm).to(L64.q.device, torch.float64)
-        q_unrot = scale.project_layer(replace(spec, rope=ident), w_unrot, x, positions,
-                                      dtype=torch.float64, device=device).q
+        # (no query temperature either: frozen reuse applies the anchor's, with its rotation)
+        q_unrot = scale.project_layer(replace(spec, rope=ident, query_temperature=None), w_unrot,
+                                      x, positions, dtype=torch.float64, device=device).q
     anchors = torch.arange(0, N, anchor_every, device=dev)
     na = int(anchors.numel())
     T_a = torch.zeros(H, na, d, r, dtype=torch.float64, device=dev)

@@ -405,10 +405,12 @@ def real_checks(model: Any, spec, weights, cap: ContextCapture, layer: int, cont
             {"rank": not_affine_reason(spec), "no_global_readout": not_affine_reason(spec)})
     if spec.family == "latent" or spec.alibi_slopes is not None:
         return out
-    if spec.norm_after_rope:  # the derivative formulas assume the rotation acts last
+    if spec.norm_after_rope or spec.query_temperature is not None:  # the derivative formulas
+        # assume the rotation acts last, and the position alone moves the query
         out["position_derivative"] = out["position_shift"] = None
         out.setdefault("not_defined", {}).update(
-            {k: NOT_ROTATION_LAST for k in ("position_derivative", "position_shift")})
+            {k: NOT_ROTATION_LAST if spec.norm_after_rope else NOT_TEMPERATURE
+             for k in ("position_derivative", "position_shift")})
         return out
     qs = sorted(int(i) for i in rng.choice(np.arange(1, N), size=min(POSITIONAL_QUERIES, N - 1),
                                            replace=False))
@@ -537,6 +539,15 @@ NOT_INLINE_ALIBI = (
     "scale and slopes are proven on every load by reproducing the module's own probabilities "
     "and output, the bias is checked against the slopes in every capture, and every head's "
     "output against the model's by the rows above (docs/math.md section 13)")
+
+
+# why the positional checks are not defined on a layer with a query temperature
+NOT_TEMPERATURE = (
+    "a position-dependent query temperature (Llama 4's NoPE layers): the model computes it from "
+    "the token's index in the sequence, not from its position id, so moving the position ids "
+    "does not move it and the positional checks' formulas (docs/math.md section 5) do not "
+    "apply; the identity, frozen reuse and the step are measured with the temperature in the "
+    "query (docs/math.md section 13)")
 
 
 # why the positional checks are not defined where a per-dim norm acts after the rotation

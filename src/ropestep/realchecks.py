@@ -49,7 +49,8 @@ from . import exact, fast, kernel, models, rope
 from . import tolerances as tl
 from .models.conventions import _qk_norm_reading, qk_norms
 from .models.structure import onloaded
-from .spec import HeadSpec, HeadWeights, RoPESpec, _positions, first_permitted
+from .spec import (HeadSpec, HeadWeights, RoPESpec, _positions, first_permitted,
+                   query_temperature as _query_temperature)
 from .verdict import finite, least, within, worst
 
 F64 = torch.float64
@@ -506,6 +507,11 @@ def conventions(model: Any, layer: int, x: Any, positions: Any, *,
                        + tl.rotated_projection_abs(F64, Av, kterms))}
     # values are not rotated: their A is not paired, and the bound's rotation roundings
     # (3 of its 4 u_store) are then margin
+    if spec.query_temperature is not None:  # the model's q times its tau (log1p, a product and
+        # a sum, then the product with q: 4 roundings of the model's dtype) against ropestep's
+        tq = torch.tensor([_query_temperature(*spec.query_temperature, int(p))
+                           for p in pos], dtype=F64)[None, :, None]
+        bound["q"] = bound["q"] * tq + 4 * tl.unit_roundoff(mdt) * q_mod.abs()
 
     # -- ropestep side, route "spec" --
     wq, wk, wv = (torch.as_tensor(getattr(weights, k)).to("cpu", F64)
@@ -535,7 +541,8 @@ def conventions(model: Any, layer: int, x: Any, positions: Any, *,
         return kernel.rms_norm(z, torch.as_tensor(w).to("cpu", F64), spec.norm_eps) * a if \
             after else z * a
 
-    qs = post(rope.apply_rope(q0, cs, sn, spec.rope.layout), weights.q_norm)
+    cq, sq = rope.query_cos_sin(spec, pos, F64)  # a query temperature folded in
+    qs = post(rope.apply_rope(q0, cq, sq, spec.rope.layout), weights.q_norm)
     kv_map = [spec.kv_head(h) for h in range(H)]
     for h, g in enumerate(kv_map):
         if not 0 <= g < Hk:
@@ -701,7 +708,7 @@ def one_head(spec: HeadSpec, weights: HeadWeights, h: int) -> tuple[HeadSpec, He
                   norm_eps=spec.norm_eps, latent=spec.latent, clip=spec.clip,
                   sinks=None if spec.sinks is None else (spec.sinks[h],), window=spec.window,
                   chunk=spec.chunk, norm_after_rope=spec.norm_after_rope,
-                  norm_kind=spec.norm_kind)
+                  norm_kind=spec.norm_kind, query_temperature=spec.query_temperature)
 
     def sl(a: Any, i: int, axis: int) -> Any:
         if a is None:

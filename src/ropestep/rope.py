@@ -59,6 +59,22 @@ def rope_cos_sin(spec: HeadSpec, positions: Any, dtype: torch.dtype = torch.floa
     return torch.cos(ang).to(dtype), torch.sin(ang).to(dtype)
 
 
+def query_cos_sin(spec: HeadSpec, positions: Any, dtype: torch.dtype = torch.float64,
+                  device: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The queries' tables: :func:`rope_cos_sin` times the query temperature ``tau(p)`` where
+    the spec has one (``HeadSpec.query_temperature``: Llama 4's NoPE layers), so that
+    ``apply_rope`` with them gives ``tau(p) R(p) q`` -- and ``L_i = tau(p_i) W R(p_i)`` wherever
+    a query's map is formed from its tables.  ``tau`` is computed in float64 and the products
+    rounded once to ``dtype``; keys keep :func:`rope_cos_sin`."""
+    if spec.query_temperature is None:
+        return rope_cos_sin(spec, positions, dtype, device)
+    cos, sin = rope_cos_sin(spec, positions, torch.float64, device)
+    f, a = spec.query_temperature
+    p = torch.as_tensor(_positions(positions, "positions"), device=device).to(torch.float64)
+    tau = 1.0 + float(a) * torch.log1p(torch.floor((p + 1.0) / float(f)))
+    return (cos * tau[None, :, None]).to(dtype), (sin * tau[None, :, None]).to(dtype)
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout: str) -> torch.Tensor:
     """Rotate rows ``x (..., d)`` by ``R(p)``: ``x~ = x R(p)^T`` (pairs per ``layout``).
 

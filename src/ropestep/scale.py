@@ -58,7 +58,7 @@ from .direct import direct_query  # noqa: F401  (the paper-form reference beside
 from .kernel import (FLOAT_DTYPES, LATENT_FIELDS, PBlocks, augmented_weight,  # noqa: F401
                      clipped, compute_dtype, gauge_chunk, latent_qkv, qk_norm, rms_norm, softmax,
                      uniform_mean, unit_rows)
-from .rope import apply_rope, rope_cos_sin
+from .rope import apply_rope, query_cos_sin, rope_cos_sin
 from .spec import HeadSpec, HeadWeights, _positions
 
 GAUGES = ("original", "maxkey", "pairwise")
@@ -95,7 +95,8 @@ class Layer:
     v: torch.Tensor  # (Hk, N, r) values per KV head
     groups: list[list[int]]  # query heads of each key group
     kv_of_group: list[int]  # KV head of each key group
-    cos: torch.Tensor  # (Hb, N, d/2) RoPE tables at the positions (Hb = 1 or H)
+    cos: torch.Tensor  # (Hb, N, d/2) the queries' RoPE tables at the positions (Hb = 1 or H;
+    # a query temperature folded in: rope.query_cos_sin)
     sin: torch.Tensor
     lw: torch.Tensor | None  # (H, m+1, d) W^_q * scale (affine heads), so L_i = lw R(p_i)^T
     lwt: torch.Tensor | None  # (H, d, m+1) its transpose, contiguous
@@ -192,14 +193,16 @@ def project_layer(spec: HeadSpec, weights: HeadWeights, x: Any, positions: Any =
     elif spec.family == "cosine":
         q, k = unit_rows(q, "query"), unit_rows(k, "key")
     pt = torch.as_tensor(pos, device=xc.device)
-    cos, sin = rope_cos_sin(spec, pt, cd, xc.device)  # (Hb, N, d/2)
+    ck, sk = rope_cos_sin(spec, pt, cd, xc.device)  # (Hb, N, d/2): the keys' tables
+    # the queries' (a query temperature folded in; Layer.cos/sin are the queries' tables)
+    cos, sin = query_cos_sin(spec, pt, cd, xc.device)
     q = apply_rope(q, cos, sin, spec.rope.layout)
-    if cos.shape[0] == 1:
-        k = apply_rope(k, cos, sin, spec.rope.layout)
+    if ck.shape[0] == 1:
+        k = apply_rope(k, ck, sk, spec.rope.layout)
         groups = [list(range(g * spec.group, (g + 1) * spec.group)) for g in range(Hk)]
         kv_of = list(range(Hk))
     else:  # per-head bases: one key group per query head
-        k = apply_rope(k[torch.arange(H) // spec.group], cos, sin, spec.rope.layout)
+        k = apply_rope(k[torch.arange(H) // spec.group], ck, sk, spec.rope.layout)
         groups = [[h] for h in range(H)]
         kv_of = [h // spec.group for h in range(H)]
     if after:

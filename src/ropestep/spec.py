@@ -139,6 +139,10 @@ class HeadSpec:
     # "layer": LayerNorm, g (z - mean z) / sqrt(var z + eps) + beta with a per-dim bias beta
     # (weights q_norm_bias/k_norm_bias; Persimmon), per head, before the rotation
     norm_kind: str = "rms"
+    # a position-dependent query temperature (Llama 4's NoPE layers): the query at position p
+    # is multiplied by tau(p) = 1 + attn_scale * log(1 + floor((p + 1) / floor_scale))
+    # (:func:`query_temperature`); (floor_scale, attn_scale), or None
+    query_temperature: tuple[float, float] | None = None
 
     def __post_init__(self) -> None:
         validate_spec(self)
@@ -311,6 +315,13 @@ def validate_spec(spec: HeadSpec) -> None:
                          "'qknorm', scope 'head') only")
     if not (spec.norm_eps >= 0 and math.isfinite(spec.norm_eps)):
         raise ValueError(f"norm_eps must be finite and >= 0, got {spec.norm_eps}")
+    if spec.query_temperature is not None:
+        qt = tuple(spec.query_temperature)
+        if len(qt) != 2 or not all(isinstance(v, (int, float, np.floating, np.integer))
+                                   and not isinstance(v, bool) and math.isfinite(float(v))
+                                   for v in qt) or not float(qt[0]) > 0:
+            raise ValueError("query_temperature must be (floor_scale > 0, attn_scale), both "
+                             f"finite; got {spec.query_temperature!r}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -562,6 +573,13 @@ def resolve_mask(mask: Any, pos_q: Any, pos_kv: Any, n_q: int, n_kv: int,
     if hasattr(out, "new_tensor"):  # a torch mask: combine on its device (no torch import)
         return out & out.new_tensor(w)
     return np.asarray(out, dtype=bool) & w
+
+
+def query_temperature(floor_scale: float, attn_scale: float, p: int) -> float:
+    """Llama 4's NoPE query temperature at position ``p``:
+    ``1 + attn_scale * log(1 + floor((p + 1) / floor_scale))`` (exactly 1 below
+    ``p = floor_scale - 1``)."""
+    return 1.0 + float(attn_scale) * math.log1p(math.floor((int(p) + 1) / float(floor_scale)))
 
 
 def alibi_slopes(n_heads: int) -> tuple[float, ...]:

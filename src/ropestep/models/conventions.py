@@ -40,7 +40,8 @@ from typing import Any, Sequence
 import torch
 
 from .. import tolerances as tl
-from ..spec import HeadSpec, HeadWeights, LatentSpec, RoPESpec, first_permitted
+from ..spec import (HeadSpec, HeadWeights, LatentSpec, RoPESpec, first_permitted,
+                    query_temperature)
 from .errors import UnsupportedModelError, adapter_errors
 from .layouts import candidates as layout_candidates
 from .layouts import project as project_part
@@ -106,6 +107,8 @@ class LayerConventions:
     chunk: int | None = None  # chunked attention: j // chunk == i // chunk besides j <= i
     # the first position whose query temperature is not 1 (Llama 4's NoPE layers), or None
     temperature_from: int | None = None
+    # that temperature's (floor_scale, attn_scale) (HeadSpec.query_temperature), or ()
+    temperature: tuple = ()
     # QK-norm's form: "rms" (g z / rms z) or "layer" (LayerNorm with a bias: Persimmon)
     norm_kind: str = "rms"
     # an output gate between the heads and the output projection, read and proven on the layer's
@@ -131,7 +134,8 @@ class LayerConventions:
             "amplitude", "scaling", "softcap", "window", "qk_norm", "norm_scope", "norm_eps",
             "norm_kind", "qkv_bias",
             "o_bias", "sinks", "output_direct", "sign", "order", "value_scale", "clip",
-            "norm_after_rope", "chunk", "temperature_from", "alibi", "output_gate")}
+            "norm_after_rope", "chunk", "temperature_from", "temperature", "alibi",
+            "output_gate")}
         d["score_scale"] = self.score_scale
         return d
 
@@ -548,6 +552,22 @@ def _temperature_from(attn: Any) -> int | None:
     return max(0, math.ceil(float(f)) - 1)
 
 
+def _temperature(attn: Any) -> tuple[float, float] | None:
+    """``(floor_scale, attn_scale)`` of a layer's position-dependent query temperature
+    (Llama 4's NoPE layers, :func:`ropestep.spec.query_temperature`), or None where it is 1
+    everywhere (no temperature tuning, a rotary layer, ``attn_scale`` 0)."""
+    if _temperature_from(attn) is None:
+        return None
+    f, a = getattr(attn, "floor_scale", None), getattr(attn, "attn_scale", None)
+    try:
+        f, a = float(f), float(a)
+    except (TypeError, ValueError):
+        return None
+    if not (math.isfinite(f) and f > 0 and math.isfinite(a)):
+        return None
+    return f, a
+
+
 def _temperature_text(attn: Any) -> str:
     return (f"attn_temperature_tuning, floor_scale {getattr(attn, 'floor_scale', None)}, "
             f"attn_scale {getattr(attn, 'attn_scale', None)}")
@@ -626,11 +646,12 @@ def _read_layer(model: Any, info: ModelInfo, L: int, r: AttentionRecord) -> Laye
     rv = int(r.value.shape[-1])
     mdt = r.hidden.dtype
     temp_from = _temperature_from(attn)
-    if temp_from is not None and temp_from < n:
+    temp = _temperature(attn)
+    if temp_from is not None and temp is None:
         raise UnsupportedModelError(
             f"{who}: layer {L} multiplies its queries by a position-dependent temperature from "
-            f"position {temp_from} on ({_temperature_text(attn)}), which the reading forward of "
-            f"{n} tokens reaches: not modelled")
+            f"position {temp_from} on ({_temperature_text(attn)}) whose parameters cannot be "
+            "read: not modelled")
     order = "cos_sin"
     if r.cos is None:  # a layer handed no tables (a NoPE layer): only "no rotation" can fit
         cos = sin = torch.ones(n, 0, dtype=F64)
@@ -752,6 +773,12 @@ def _read_layer(model: Any, info: ModelInfo, L: int, r: AttentionRecord) -> Laye
                 if nm != "v" and not after:
                     z = _rotate(z, ct[:, None], st[:, None], pairing)
                     E = _partner(E, Rr, pairing) * max(a, 1.0)
+                if nm == "q" and temp is not None:  # the query temperature at the probe's
+                    # positions (the sequence index): the model's tau carries a few roundings
+                    # (log1p, the product and sum, the final product: 4 u of the result)
+                    tq = torch.tensor([query_temperature(*temp, p) for p in range(n)],
+                                      dtype=F64)[:, None, None]
+                    z, E = z * tq, E * tq + 4 * u * (z * tq).abs()
                 err = (z - ref).abs()
                 worst.append(f"{nm} {float(err.max()):.2e} (bound {float(E.max()):.2e})")
                 if not bool((err <= E).all()):
@@ -863,6 +890,7 @@ def _read_layer(model: Any, info: ModelInfo, L: int, r: AttentionRecord) -> Laye
         amplitude=a,
         scaling=scaling, softcap=softcap, window=window, chunk=chunk, qk_norm=qk_norm,
         norm_scope=scope, norm_eps=eps, temperature_from=temp_from, norm_kind=norm_kind,
+        temperature=() if temp is None else temp,
         qkv_bias=(parts["q"][1] is not None if parts is not None
                   else attn.kv_a_proj_with_mqa.bias is not None),
         o_bias=out_lin.bias is not None, sinks=sinks,
@@ -1642,12 +1670,6 @@ def layer_head(model: Any, layer: int, n_positions: int, *, dtype: torch.dtype =
     conv = info.layers[layer]
     who = info.name
     attn = attention_module(layer_modules(model)[layer], who, layer)
-    tf = conv.temperature_from
-    if tf is not None and n_positions > tf:
-        raise UnsupportedModelError(
-            f"{who}: layer {layer} multiplies its queries by a position-dependent temperature "
-            f"from position {tf} on ({_temperature_text(attn)}), not modelled: this run's "
-            f"{n_positions} positions reach it (runs of up to {tf} tokens are exact)")
     if conv.layout == "latent":
         with onloaded(attn):
             return _latent_head(model, info, conv, attn, n_positions, dtype, device)
@@ -1720,6 +1742,7 @@ def layer_head(model: Any, layer: int, n_positions: int, *, dtype: torch.dtype =
         family="qknorm" if conv.qk_norm else "dot", scale=conv.score_scale,
         softcap=conv.softcap, norm_eps=norm_eps, window=conv.window, chunk=conv.chunk,
         alibi_slopes=tuple(conv.alibi) if conv.alibi else None,
+        query_temperature=tuple(conv.temperature) if conv.temperature else None,
         norm_scope=conv.norm_scope if conv.qk_norm else "head",
         norm_kind=conv.norm_kind if conv.qk_norm else "rms")
     weights.check(spec, m)
