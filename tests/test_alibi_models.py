@@ -174,3 +174,15 @@ def test_the_census_passes_them_through_atlas_and_validate(name, tmp_path):
     assert rec["conventions"]["summary"]["alibi"]
     for cmd in ("atlas", "validate"):
         assert rec[cmd]["exit"] == 0 and rec[cmd]["checks"], rec[cmd]
+
+
+def test_mpts_context_is_read_from_max_seq_len():
+    """MPT keeps its context as ``max_seq_len`` (its bias table's width): a longer prompt is
+    refused by the library, naming the context, before any forward."""
+    kw = dict(CONFIGS["mpt"], max_seq_len=32)
+    model = archzoo._built(AutoConfig.for_model(kw.pop("model_type"), **kw), 0)
+    lab = api.attach(model)
+    assert lab._context() == 32
+    with pytest.raises(api.ApiError, match=r"beyond the model's context \(32 positions\)"):
+        lab.run(_ids(40), layers=0)
+    assert lab.run(_ids(32), layers=0)[0].check(anchor_every=8).passed

@@ -245,15 +245,15 @@ def test_a_wrong_reading_of_each_new_convention_fails_the_run(name, what, tmp_pa
             return replace(spec, chunk=spec.chunk and spec.chunk + 1), w
 
         monkeypatch.setattr(models, "layer_head", longer_chunk)
-    elif what == "temperature":  # Llama 4's NoPE query temperature read with floor_scale + 1
+    elif what == "temperature":  # Llama 4's NoPE query temperature read 10% too strong
         real_head = models.layer_head
 
-        def later_steps(*a, **k):
+        def stronger(*a, **k):
             spec, w = real_head(*a, **k)
             qt = spec.query_temperature
-            return replace(spec, query_temperature=qt and (qt[0] + 1, qt[1])), w
+            return replace(spec, query_temperature=qt and (qt[0], 1.1 * qt[1])), w
 
-        monkeypatch.setattr(models, "layer_head", later_steps)
+        monkeypatch.setattr(models, "layer_head", stronger)
     elif what == "gate_applied":  # the output gate applied as 1 - sigmoid (its pre-activation
         # negated): the heads and head-space write are unaffected, the model's write is not
         real_gate = models.layer_gate

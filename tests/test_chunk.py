@@ -169,6 +169,24 @@ def test_the_nope_temperature_is_read_and_modelled(tmp_path):
         assert rc == 0, cmd
 
 
+def test_a_temperature_beyond_the_reading_forward_is_checked_in_every_run():
+    """floor_scale 30: the reading forward (24 tokens) never reaches the temperature, so every
+    run that does checks its queries against the projection times tau at the run's positions
+    (models.capture._temperature_guard): a 40-token run passes; the same tokens at positions
+    5..44 -- which the model does not follow (it counts from the first token) -- are refused."""
+    from ropestep import api
+
+    model = _with_floor_scale(30)
+    info = models.describe_model(model)
+    nope = [c.layer for c in info.conventions() if c.temperature_from is not None]
+    assert info.layers[nope[0]].temperature == (30.0, 0.5)
+    ids = torch.randint(0, 256, (40,), generator=torch.Generator().manual_seed(4))
+    assert api.attach(model).run(ids, layers=nope[0])[nope[0]].check(anchor_every=8).passed
+    with pytest.raises(models.UnsupportedModelError, match="counts them from the first token"):
+        models.capture(model, ids, [nope[0]], position_ids=torch.arange(40) + 5)
+    models.capture(model, ids[:20], [nope[0]], position_ids=torch.arange(20) + 5)  # tau 1
+
+
 def test_the_temperature_matches_the_oracle():
     """fast.step (y, readout, input-space Delta M), the streamed layer and the 50-digit oracle
     with a query temperature, on positions that cross two of its steps (f = 4: tau = 1, then

@@ -592,14 +592,16 @@ def test_the_dump_changes_nothing_in_the_report(tiny, tmp_path, capsys):
 
 def test_the_reference_refuses_what_it_does_not_model(tmp_path):
     """A dump whose layer is of another score family, or whose score has a window, chunks, a
-    soft-cap, sinks or clipped projections, is refused in one line: the reference's projections
+    soft-cap, sinks, clipped projections, ALiBi or a query temperature, is refused in one line: the reference's projections
     have none of these, so it would recompute another head and disagree for the wrong reason."""
     base = {"n_heads": 2, "n_kv_heads": 1, "head_dim": 4, "r": 4, "hidden": 8,
             "layout": "half", "family": "dot", "window": None, "chunk": None, "softcap": None,
             "sinks": False, "clip": None}
     cases = {"family": ("qknorm", "of the 'qknorm' family"), "window": (16, "has window"),
              "chunk": (8, "has chunk"), "softcap": (30.0, "has softcap"),
-             "sinks": (True, "has sinks"), "clip": (2.0, "has clip")}
+             "sinks": (True, "has sinks"), "clip": (2.0, "has clip"),
+             "alibi": (True, "has alibi"), "query_temperature": ([8.0, 0.1],
+                                                                 "has query_temperature")}
     for k, (v, msg) in cases.items():
         d = tmp_path / k
         d.mkdir()

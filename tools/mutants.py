@@ -755,6 +755,12 @@ MUTANTS: tuple[Mutant, ...] = (
            "    tau = 1.0 + float(a) * torch.log1p(torch.floor(p / float(f)))",
            "the query temperature's steps one position late (floor(p / f) for floor((p + 1) / f))",
            tests=(T_CHUNK,)),
+    Mutant("temperature-guard-off", "models/capture.py",
+           "    if not bool((err <= E).all()):\n        worst = float((err / E.clamp_min(tl.SCALE_GUARD)).max())\n",
+           "    if False:\n        worst = float((err / E.clamp_min(tl.SCALE_GUARD)).max())\n",
+           "the capture's per-run check of a query temperature never refuses (a run the model "
+           "does not position, or a temperature not the one read, goes on to a verdict)",
+           tests=(T_CHUNK,)),
     # --- an output gate applied after the heads (Qwen3-Next) -------------------------------
     Mutant("gate-without-sigmoid", "models/conventions.py",
            "o = torch.einsum(\"hqr,hrd->qd\", torch.sigmoid(g) * y, self.w_o.to(dev, dt))",
@@ -762,7 +768,7 @@ MUTANTS: tuple[Mutant, ...] = (
            "the read output gate applied without its sigmoid",
            tests=(T_GATE,)),
     Mutant("gate-check-always-passes", "contextcheck.py",
-           "        comb[\"pass_gated_write\"] = native_ok(gw, mw, model_dtype)\n",
+           "        comb[\"pass_gated_write\"] = ok\n",
            "        comb[\"pass_gated_write\"] = True\n",
            "validate's gated_write check never fails (a wrong gate reading goes unseen)",
            tests=(T_GATE,)),

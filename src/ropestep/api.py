@@ -421,10 +421,11 @@ class Attached:
         return Ls
 
     def _context(self) -> int | None:
-        """The model's context (its text config's ``max_position_embeddings``), None if unset."""
-        cfg = getattr(self.model.config, "get_text_config", lambda: self.model.config)()
-        ctx = getattr(cfg, "max_position_embeddings", None)
-        return None if ctx is None else int(ctx)
+        """The model's context (its text config's ``max_position_embeddings``, or MPT's
+        ``max_seq_len``, ...: :func:`ropestep.models.conventions.context_length`), None if
+        unset."""
+        got = models.conventions.context_length(self.model.config)
+        return None if got is None else got[1]
 
     def _not_training(self) -> None:
         if self.model.training:
@@ -456,7 +457,7 @@ class Attached:
         ctx = self._context()
         if ctx is not None and top > ctx:
             raise ApiError(f"the prompt reaches position {top - 1}, beyond the model's context "
-                           f"(max_position_embeddings {ctx})")
+                           f"({ctx} positions)")
         with _eager(self.model):
             info = models.describe_model(self.model)
             caps = models.capture(self.model, ids, Ls, position_ids=pos, write=False,
@@ -503,7 +504,7 @@ class Attached:
         ctx = self._context()
         if ctx is not None and ids.numel() > ctx:
             raise ApiError(f"the block has {ids.numel()} tokens, beyond the model's context "
-                           f"(max_position_embeddings {ctx})")
+                           f"({ctx} positions)")
         with _eager(self.model):
             self.info = models.describe_model(self.model)
             bc = models.capture_block(self.model, ids, Ls, candidates)

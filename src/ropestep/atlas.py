@@ -189,10 +189,9 @@ def run(cfg: AtlasConfig, *, progress: bool = True, command: Sequence[str] | Non
     info = lab.info
     layers = protocol.parse_indices(cfg.layers, info.n_layers, "layer", info.softmax_layers,
                                     dict(info.others))
-    max_pos = getattr(model.config, "max_position_embeddings", None)
-    if max_pos is not None and cfg.length > int(max_pos):
-        raise AtlasError(f"--len {cfg.length} exceeds the model's max_position_embeddings "
-                         f"{max_pos}")
+    ctx = lab._context()  # max_position_embeddings, or MPT's max_seq_len, ...
+    if ctx is not None and cfg.length > ctx:
+        raise AtlasError(f"--len {cfg.length} exceeds the model's context ({ctx} positions)")
     corpus = load_corpus(cfg.corpus, cfg.corpus_revision)
     blocks = select_blocks(corpus.articles, tokenizer_fn(tok), cfg.contexts, cfg.length,
                            cfg.seed, corpus_name=str(cfg.corpus))
@@ -453,7 +452,10 @@ def write_raw_manifest(out: Path, result: dict, specs: dict[int, tuple[HeadSpec,
                        "layout": sp.rope.layout, "family": sp.family,
                        # what else shapes the score (a reference that models none must refuse)
                        "window": sp.window, "chunk": sp.chunk, "softcap": sp.softcap,
-                       "sinks": sp.sinks is not None, "clip": sp.clip}
+                       "sinks": sp.sinks is not None, "clip": sp.clip,
+                       "alibi": sp.alibi_slopes is not None,
+                       "query_temperature": (None if sp.query_temperature is None
+                                             else list(sp.query_temperature))}
               for L, (sp, m) in sorted(specs.items())}
     manifest = {"schema": RAW_SCHEMA, **{k: result[k] for k in
                                          ("command", "config", "model", "corpus", "contexts")},

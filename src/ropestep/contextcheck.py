@@ -16,7 +16,7 @@ in pyproject.toml).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import numpy as np
@@ -79,6 +79,9 @@ class ContextCapture:
     prefix: dict  # layer -> Rows over positions 0..L-2 (the bank)
     queries: dict  # layer -> Rows, Q rows at position L-1 (single-token steps on the prefix cache)
     observed_full: dict  # layer -> (heads (H, r), o (hidden,)) of the full forward over the block
+    # layer -> (x (m,), write (hidden,)) of the observed token in that forward, where o is in head
+    # space (a norm or gate in between): the model's own write, for a read output gate
+    observed_write: dict = field(default_factory=dict)
 
 
 def context_capture(block: Block, bc: Any, layers: Sequence[int]) -> ContextCapture:
@@ -95,9 +98,11 @@ def context_capture(block: Block, bc: Any, layers: Sequence[int]) -> ContextCapt
     obs = {L: (bc.full[L].heads[-1].float().clone(), bc.full[L].o[-1].float().clone())
            for L in layers}
     queries = {L: rows(bc.queries[L]) for L in layers}
+    ow = {L: (bc.full[L].x[-1].float().clone(), bc.full[L].write[-1].float().clone())
+          for L in layers if getattr(bc.full[L], "write", None) is not None}
     return ContextCapture(block=block, observed=int(block.ids[-1]),
                           candidates=bc.candidates.tolist(), logits=bc.logits.float().numpy(),
-                          prefix=prefix, queries=queries, observed_full=obs)
+                          prefix=prefix, queries=queries, observed_full=obs, observed_write=ow)
 
 
 def _f64(t: torch.Tensor) -> np.ndarray:
@@ -145,8 +150,9 @@ def evaluate_layer(spec, weights, cap: ContextCapture, layer: int, model_dtype: 
     ``gate``: the layer's output gate (:func:`ropestep.models.layer_gate`) where the write is
     taken in head space because a gate sits between the heads and the output projection: the
     combined row then also carries ``native_gated_write``, the gate applied after the heads'
-    output the identity reconstructs and projected, against the model's own write, with its
-    pass flag ``pass_gated_write`` (the native criterion)."""
+    output the identity reconstructs and projected, against the model's own write (every
+    candidate's, and the observed token's in the block's forward), with its pass flag
+    ``pass_gated_write`` (the native criterion)."""
     f64 = torch.float64
     pre, qry = cap.prefix[layer], cap.queries[layer]
     xp = pre.x.to(device, f64)  # (N, m)
@@ -231,8 +237,14 @@ def evaluate_layer(spec, weights, cap: ContextCapture, layer: int, model_dtype: 
         if qry.write is None:
             raise ValueError(f"layer {layer}: a gated layer's capture holds no model write")
         gw, mw = gate.write(xq, rdF), qry.write.to(device, f64)
+        ok = native_ok(gw, mw, model_dtype)
+        if layer in cap.observed_write:  # the observed token's write in the block's forward
+            xo, wo = (t.to(device, f64) for t in cap.observed_write[layer])
+            go = gate.write(xo[None], rdF[:, :1])
+            ok = ok and native_ok(go, wo[None], model_dtype)
+            gw, mw = torch.cat((gw, go)), torch.cat((mw, wo[None]))
         comb["native_gated_write"] = _err(gw, mw)
-        comb["pass_gated_write"] = native_ok(gw, mw, model_dtype)
+        comb["pass_gated_write"] = ok
     rows.append(comb)
 
     # -- fast path in float32 and bfloat16, both gauges, full bank --

@@ -1003,7 +1003,7 @@ def run(cfg: Config, *, progress: bool = True, command: Sequence[str] | None = N
     heads = parse_indices(cfg.heads, info.n_heads, "head")
     if info.max_positions and cfg.prefix_len > info.max_positions:
         raise ProtocolError(f"--prefix-len {cfg.prefix_len} exceeds the model's context "
-                            f"(max_position_embeddings={info.max_positions})")
+                            f"({info.max_positions} positions)")
     if info.family not in ("dot", "qknorm"):
         raise ProtocolError(f"{info.name}: score family {info.family!r} has no statement of the "
                             "protocol (it covers plain and QK-norm RoPE heads)")
@@ -1031,7 +1031,7 @@ def run(cfg: Config, *, progress: bool = True, command: Sequence[str] | None = N
         for L in layers:
             spec, w = head(L)
             dump_layer(dump_raw, L, spec, w)
-            facts[L] = layer_facts(spec, w)
+            facts[L] = layer_facts(spec, w, info.layers[L].output_gate if info.layers else "")
             del spec, w
     ctx_records, per_layer = [], {L: [] for L in layers}
     real = {L: [] for L in layers}
@@ -1337,11 +1337,18 @@ def dump_model_item(out: Path, context: int, layer: int, raw: dict,
     save_tensors(out / f"context{context}_layer{layer}_model.safetensors", tensors)
 
 
-def layer_facts(sp: Any, w: Any) -> dict:
-    """One layer's sizes and layout, as the dump's manifest records them."""
+def layer_facts(sp: Any, w: Any, output_gate: str = "") -> dict:
+    """One layer's sizes and layout, as the dump's manifest records them, and what else shapes
+    its score or write (a reference that models none of it must refuse the dump)."""
+    qt = sp.query_temperature
     return {"n_heads": sp.n_heads, "n_kv_heads": sp.n_kv_heads, "head_dim": sp.head_dim,
             "r": sp.r, "hidden": int(w.w_q.shape[0]), "out": int(w.w_o.shape[-1]),
-            "layout": sp.rope.layout, "family": sp.family}
+            "layout": sp.rope.layout, "family": sp.family,
+            "window": sp.window, "chunk": sp.chunk, "softcap": sp.softcap,
+            "sinks": sp.sinks is not None, "clip": sp.clip,
+            "alibi": sp.alibi_slopes is not None,
+            "query_temperature": None if qt is None else list(qt),
+            "output_gate": output_gate or None}
 
 
 def write_raw_manifest(out: Path, result: dict, facts: dict[int, dict],

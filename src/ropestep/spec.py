@@ -322,6 +322,9 @@ def validate_spec(spec: HeadSpec) -> None:
                                    for v in qt) or not float(qt[0]) > 0:
             raise ValueError("query_temperature must be (floor_scale > 0, attn_scale), both "
                              f"finite; got {spec.query_temperature!r}")
+        if spec.norm_after_rope:  # the norm would act on (and cancel) the temperature
+            raise ValueError("query_temperature with a QK-norm after the rotation is not "
+                             "modelled (the paths fold the temperature into the rotation)")
 
 
 # ---------------------------------------------------------------------------------------------

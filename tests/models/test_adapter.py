@@ -289,24 +289,39 @@ def test_accepts_the_papers_qwen25_config():
 
 
 def test_refuses_an_architecture_without_rope_or_alibi(tmp_path):
-    """GPT-2 (learned absolute positions) neither rotates nor adds an ALiBi bias: refused once
-    its layers are read (a config that names no RoPE parameters may still be an ALiBi model --
-    BLOOM, MPT -- so the config alone no longer refuses it)."""
+    """GPT-2 (learned absolute positions) names no RoPE parameters and transformers' code for it
+    hands its attention no ALiBi bias: refused from the config alone, before any weight loads;
+    BLOOM and MPT (no RoPE parameters either, ALiBi handed to their attention) are read."""
+    from transformers import AutoConfig, GPT2Config
+
+    with pytest.raises(UnsupportedModelError, match="model_type='gpt2'.*no RoPE parameters.*"
+                       "no ALiBi bias"):
+        models.describe_model(GPT2Config(n_layer=1))
+    for t in ("bloom", "mpt"):
+        assert models.describe_model(AutoConfig.for_model(t)).rope_type == "none"
+    GPT2Config(n_layer=1).save_pretrained(tmp_path)
+    with pytest.raises(UnsupportedModelError, match="no ALiBi bias"):
+        models.load_model(tmp_path, tokenizer=False)  # only config.json: no weights to load
+
+
+def test_a_model_that_neither_rotates_nor_is_biased_is_refused_once_read():
+    """A config that may carry ALiBi (here GPT-2's, its code's answer overridden) whose model
+    turns out to neither rotate nor add a bias is refused after the reading forward."""
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel
 
     cfg = GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64)
-    assert models.describe_model(cfg).rope_type == "none"  # sizes only, from the config
     with torch.random.fork_rng():
         torch.manual_seed(0)
         model = GPT2LMHeadModel(cfg).eval()
     model.config._attn_implementation = "eager"
-    with pytest.raises(UnsupportedModelError, match="model_type='gpt2'.*no RoPE parameters.*"
-                       "no layer adds an ALiBi bias"):
-        models.describe_model(model)
-    model.save_pretrained(tmp_path)
-    with pytest.raises(UnsupportedModelError, match="no layer adds an ALiBi bias"):
-        models.load_model(tmp_path, tokenizer=False)
+    real = models.conventions._may_carry_alibi
+    try:
+        models.conventions._may_carry_alibi = lambda c: True
+        with pytest.raises(UnsupportedModelError, match="no layer adds an ALiBi bias"):
+            models.describe_model(model)
+    finally:
+        models.conventions._may_carry_alibi = real
 
 
 def test_reads_modified_attention_modules(tiny_qwen2, monkeypatch):

@@ -17,12 +17,16 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
+from .. import tolerances as tl
+from ..spec import query_temperature
 from . import conventions
 from .conventions import ModelInfo, check_layer_index, describe_model
 from .errors import CaptureError, UnsupportedModelError, adapter_errors
 from .loading import disable_tf32
 from .probe import recording
 from .structure import decoder, layer_modules
+
+F64 = torch.float64
 
 
 @dataclass
@@ -83,7 +87,10 @@ def _hooks(model: Any, layers: Sequence[int], self_mass: bool = False,
     query's own key in a single-token step); every hook is removed on exit."""
     keep = ("hidden", "output") + (("o_out",) if write else ()) + (
         ("weights",) if self_mass else ())
-    with recording(model, layers, keep=keep) as rec:
+    info = describe_model(model)
+    tempered = [L for L in layers if info.layers and info.layers[L] is not None
+                and info.layers[L].temperature]  # their queries: _temperature_guard
+    with recording(model, layers, keep=keep, keep_query=tempered) as rec:
         yield rec
 
 
@@ -110,9 +117,48 @@ def _alibi_guard(rs: list, info: ModelInfo, L: int, key_pos: torch.Tensor | None
                 "not follow these positions, or its bias changed since it was read")
 
 
+def _temperature_guard(model: Any, rs: list, info: ModelInfo, L: int,
+                       positions: torch.Tensor) -> None:
+    """A layer with a query temperature (Llama 4's NoPE layers), in a run whose positions reach
+    it: the queries its attention function received must be the projection's times
+    ``tau(p)`` at the run's positions, within the reading's bound (the projection's rounding
+    times ``tau``, plus four roundings of the model's ``tau`` and product) -- the model takes
+    ``p`` from the token's index in the sequence, not from its position id, and the reading
+    forward may be shorter than the temperature's first step (8191 on Llama 4)."""
+    from .layouts import candidates as layout_candidates
+    from .layouts import project as project_part
+    from .structure import attention_module, layer_modules, onloaded
+
+    mine = info.for_layer(L)
+    conv = mine.layers[L]
+    H, d = mine.n_heads, mine.head_dim
+    attn = attention_module(layer_modules(model)[L], info.name, L)
+    X = torch.cat([t.hidden.reshape(-1, t.hidden.shape[-1]) for t in rs]).to("cpu", F64)
+    QM = torch.cat([t.query.permute(0, 2, 1, 3).reshape(-1, H, d) for t in rs]).to("cpu", F64)
+    with onloaded(attn):
+        part = layout_candidates(attn, H, mine.n_kv_heads, d, mine.r)[conv.layout]["q"]
+        z, A = project_part(part, X, H)
+    if conv.clip is not None:
+        z = z.clamp(-conv.clip, conv.clip)
+    mdt = rs[0].hidden.dtype
+    u = tl.unit_roundoff(mdt) if mdt != F64 else 2.0 ** -53
+    tq = torch.tensor([query_temperature(*conv.temperature, int(p)) for p in positions],
+                      dtype=F64)[:, None, None]
+    m1 = X.shape[-1] + 1
+    E = (tl.rotated_projection_abs(mdt, A, m1) + tl.rotated_projection_abs(F64, A, m1)) * tq \
+        + 4 * u * (z * tq).abs()
+    err = (QM - z * tq).abs()
+    if not bool((err <= E).all()):
+        worst = float((err / E.clamp_min(tl.SCALE_GUARD)).max())
+        raise UnsupportedModelError(
+            f"{info.name}: layer {L}'s queries in this run are not the projection times the "
+            f"query temperature at the run's positions (worst {worst:.2e} of the bound): the "
+            "model counts them from the first token, or its temperature is not the one read")
+
+
 def _take(rec: dict, info: ModelInfo, calls: int,
           positions: torch.Tensor, write: bool = True,
-          key_pos: torch.Tensor | None = None) -> dict[int, LayerCapture]:
+          key_pos: torch.Tensor | None = None, model: Any = None) -> dict[int, LayerCapture]:
     """Check that every layer's attention ran once per forward pass (its attention function
     and its output projection included), then stack the records per layer; an ALiBi layer's
     bias is checked against its reading (:func:`_alibi_guard`)."""
@@ -120,6 +166,13 @@ def _take(rec: dict, info: ModelInfo, calls: int,
     for L, rs in rec.items():
         if info.layers and info.layers[L] is not None and info.layers[L].alibi:
             _alibi_guard(rs, info, L, key_pos)
+        conv_l = info.layers[L] if info.layers else None
+        if conv_l is not None and conv_l.temperature and \
+                int(positions.max()) >= (conv_l.temperature_from or 0):
+            if model is None or any(t.query is None for t in rs):
+                raise CaptureError(f"{info.name}: layer {L}'s queries were not kept (its query "
+                                   "temperature is checked in every run that reaches it)")
+            _temperature_guard(model, rs, info, L, positions)
         H, r = info.n_heads, info.for_layer(L).r
         ok = [x for x in rs if x.kwargs.get("_seen") and x.hidden is not None
               and x.output is not None and (x.o_out is not None or not write)]
@@ -258,7 +311,7 @@ def capture(model: Any, input_ids: Any, layers: int | Sequence[int], *,
         finally:
             if h is not None:
                 h.remove()
-    return _take(rec, info, 1, pos, write, key_pos=pos)
+    return _take(rec, info, 1, pos, write, key_pos=pos, model=model)
 
 
 def capture_continuations(model: Any, prefix_ids: Any,
@@ -286,7 +339,7 @@ def capture_continuations(model: Any, prefix_ids: Any,
         with _hooks(model, Ls) as rec:
             out = model(input_ids=ids[None], position_ids=torch.arange(n1, device=dev)[None],
                         use_cache=True, **_last_logits_kw(model))
-        prefix = _take(rec, info, 1, torch.arange(n1))
+        prefix = _take(rec, info, 1, torch.arange(n1), model=model)
         logits = out.logits[0, -1].detach().cpu()
         cache = _out_cache(out)
         if cache is None:
@@ -317,7 +370,7 @@ def capture_continuations(model: Any, prefix_ids: Any,
                 calls = Q
             del step_cache
         _take_self_mass(rec, info)
-        queries = _take(rec, info, calls, torch.full((Q,), n1))
+        queries = _take(rec, info, calls, torch.full((Q,), n1), model=model)
     return ContinuationCapture(prefix_ids=ids.cpu(), candidates=cand, position=n1, logits=logits,
                                prefix=prefix, queries=queries)
 
@@ -364,7 +417,7 @@ def capture_block(model: Any, block_ids: Any, layers: int | Sequence[int],
         with _hooks(model, Ls) as rec:
             out = model(input_ids=ids[None], position_ids=torch.arange(n, device=dev)[None],
                         use_cache=True, **fkw)
-        full = _take(rec, info, 1, torch.arange(n))
+        full = _take(rec, info, 1, torch.arange(n), model=model)
         logits = out.logits[0, -2].detach().cpu()
         cache = _out_cache(out)
         if cache is None:
@@ -405,7 +458,7 @@ def capture_block(model: Any, block_ids: Any, layers: int | Sequence[int],
                          **{ckw: copy.deepcopy(cache)})
                 calls = Q
         _take_self_mass(rec, info)
-        queries = _take(rec, info, calls, torch.full((Q,), n - 1))
+        queries = _take(rec, info, calls, torch.full((Q,), n - 1), model=model)
     return BlockCapture(full=full, logits=logits, candidates=cand, queries=queries)
 
 

@@ -45,7 +45,8 @@ from ..spec import (HeadSpec, HeadWeights, LatentSpec, RoPESpec, first_permitted
 from .errors import UnsupportedModelError, adapter_errors
 from .layouts import candidates as layout_candidates
 from .layouts import project as project_part
-from .probe import AttentionRecord, inline_bias_arg, probe_forward, probe_layers, tables
+from .probe import (INLINE_BIAS_ARGS, AttentionRecord, inline_bias_arg, probe_forward,
+                    probe_layers, tables)
 from .structure import (attention_module, attention_modules, layer_modules, model_name,
                         onloaded, output_projection, rotary_modules)
 
@@ -222,6 +223,20 @@ def _config_value(config: Any, name: str) -> Any:
         return None
 
 
+# the config attributes a model's context is kept under (MPT's max_seq_len, GPT-2's n_positions)
+CONTEXT_NAMES = ("max_position_embeddings", "max_seq_len", "n_positions", "seq_length")
+
+
+def context_length(config: Any) -> tuple[str, int] | None:
+    """``(attribute, length)`` of a model's context as its (text) config names it, or None."""
+    cfg = getattr(config, "get_text_config", lambda: config)()
+    for name in CONTEXT_NAMES:
+        v = _config_value(cfg, name)
+        if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+            return name, int(v)
+    return None
+
+
 def check_config(config: Any, name: str | None = None) -> ModelInfo:
     """Sizes from a transformers config, and what can be refused before any weight loads; a
     config that refuses to give one of them (a per-layer attribute read globally) is one
@@ -248,6 +263,11 @@ def _check_config(config: Any, name: str | None = None) -> ModelInfo:
         theta = math.nan
         if not any(getattr(config, a, None) is not None for a in ROPE_HINTS):
             rope_type = "none"
+            if not _may_carry_alibi(config):  # refused before any weight loads
+                raise UnsupportedModelError(
+                    f"{who}: model_type={mt!r} names no RoPE parameters ({', '.join(ROPE_HINTS)})"
+                    " and its attention modules take no ALiBi bias "
+                    f"({', '.join(INLINE_BIAS_ARGS)}): not a rotary or ALiBi attention model")
     hidden = getattr(config, "hidden_size", None)
     H = getattr(config, "num_attention_heads", None)
     nl = getattr(config, "num_hidden_layers", None)
@@ -274,8 +294,38 @@ def _check_config(config: Any, name: str | None = None) -> ModelInfo:
         name=who, model_type=str(mt), family="dot", n_layers=int(nl), hidden=hidden,
         n_heads=H, n_kv_heads=Hk, head_dim=hd, rope_theta=float(theta), rms_eps=float(eps),
         qkv_bias=qkv_bias, o_bias=bool(bias) if bias is not None else False,
-        max_positions=int(getattr(config, "max_position_embeddings", 0) or 0),
+        max_positions=(context_length(config) or ("", 0))[1],
         rope_type=str(rope_type))
+
+
+def _may_carry_alibi(config: Any) -> bool:
+    """Whether a model type without RoPE parameters may add an ALiBi bias, read from its
+    config (an ``alibi`` flag, MPT's ``attn_config.alibi``) or from transformers' own code for
+    the type: an attention class of its modeling module whose ``forward`` is handed a bias
+    (:data:`ropestep.models.probe.INLINE_BIAS_ARGS`).  True where the code cannot be found (the
+    model is then read, and refused there if it is neither)."""
+    import importlib
+
+    if getattr(config, "alibi", False):
+        return True
+    ac = getattr(config, "attn_config", None)
+    if (ac.get("alibi") if isinstance(ac, dict) else getattr(ac, "alibi", False)):
+        return True
+    mt = str(getattr(config, "model_type", "") or "").replace("-", "_")
+    try:
+        mod = importlib.import_module(f"transformers.models.{mt}.modeling_{mt}")
+    except Exception:  # noqa: BLE001 - no modeling module of that name: read the model
+        return True
+    for name, obj in vars(mod).items():
+        if isinstance(obj, type) and name.endswith("Attention") and callable(
+                getattr(obj, "forward", None)):
+            try:
+                params = inspect.signature(obj.forward).parameters
+            except (TypeError, ValueError):
+                continue
+            if any(a in params for a in INLINE_BIAS_ARGS):
+                return True
+    return False
 
 
 # ---------------------------------------------------------------------------------------------
@@ -797,6 +847,11 @@ def _read_layer(model: Any, info: ModelInfo, L: int, r: AttentionRecord) -> Laye
             f"{who}: layer {L}: no projection layout and rotation reproduces the module's own "
             f"rotated queries, keys and values ({'; '.join(tries) or 'no known layout fits'})")
     lname, pairing, Rr, parts, form, sgn = chosen
+    if temp is not None and (Rr or qk_norm or latent):
+        raise UnsupportedModelError(
+            f"{who}: layer {L} scales a rotated, normalised or latent query by a "
+            f"position-dependent temperature ({_temperature_text(attn)}): not modelled (the "
+            "temperature is read on plain queries, Llama 4's NoPE layers)")
     # score: scale, soft-cap, window, sinks -- read from the eager call, checked on its output
     kw = r.kwargs
     scaling = kw.get("scaling")

@@ -106,14 +106,16 @@ def _bind(fn: Any, args: tuple, kwargs: dict) -> dict:
 
 @contextmanager
 def recording(model: Any, layers: Sequence[int], *, keep: Sequence[str] = (
-        "hidden", "cos", "sin", "query", "key", "value", "mask", "kwargs", "output", "weights")
-              ) -> Iterator[dict[int, list[AttentionRecord]]]:
+        "hidden", "cos", "sin", "query", "key", "value", "mask", "kwargs", "output", "weights"),
+              keep_query: Sequence[int] = ()) -> Iterator[dict[int, list[AttentionRecord]]]:
     """Record every attention call of ``layers`` (one :class:`AttentionRecord` per call).
 
     Only the fields named in ``keep`` are kept (the others stay ``None``/empty), so a capture over
     a long sequence does not hold every layer's probabilities; ``"o_in"``/``"o_out"`` (not kept
-    by default) add a hook on the layer's output projection that keeps its input/output.  The
-    modeling modules' globals and the hooks are restored on exit, whatever happens inside.
+    by default) add a hook on the layer's output projection that keeps its input/output;
+    ``keep_query`` names layers whose queries are kept whatever ``keep`` says (a capture's
+    per-run check of a query temperature).  The modeling modules' globals and the hooks are
+    restored on exit, whatever happens inside.
     """
     who = model_name(model)
     mods = layer_modules(model)
@@ -200,7 +202,7 @@ def recording(model: Any, layers: Sequence[int], *, keep: Sequence[str] = (
                 if r.kwargs.get("_seen"):
                     raise RuntimeError(f"{who}: layer {L} called {EAGER} twice in one forward")
                 named = _bind(orig, (module, query, key, value, attention_mask, *args), kwargs)
-                if "query" in keep:
+                if "query" in keep or L in keep_query:
                     r.query = query.detach()
                 if "key" in keep:
                     r.key = key.detach()

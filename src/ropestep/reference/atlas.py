@@ -86,8 +86,9 @@ def load(path: str | Path) -> Dump:
                          f"{manifest['layers'][bad[0]].get('family')!r} family; the atlas "
                          "reference covers the 'dot' family only")
     for L, f in manifest["layers"].items():  # a causal, uncapped, sink-free, unclipped score
-        extra = [k for k in ("window", "chunk", "softcap", "clip") if f.get(k) is not None]
-        extra += ["sinks"] if f.get("sinks") else []
+        extra = [k for k in ("window", "chunk", "softcap", "clip", "query_temperature")
+                 if f.get(k) is not None]
+        extra += [k for k in ("sinks", "alibi") if f.get(k)]
         if extra:
             raise ValueError(f"{path}: layer {L} has {', '.join(extra)}; the atlas reference "
                              "covers plain causal heads only")

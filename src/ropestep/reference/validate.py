@@ -70,7 +70,8 @@ VIOLATION_REL, VIOLATION_ABS = 1e-9, 1e-12  # the slack of a reuse-bound violati
 # ---------------------------------------------------------------------------------------------
 def load(path: str | Path) -> Dump:
     """Open a dump; refuse what this reference does not cover (another schema, a bf16 run, a
-    score family other than ``"dot"``)."""
+    score family other than ``"dot"``, or a window, chunks, soft-cap, clip, sinks, ALiBi, a
+    query temperature or an output gate)."""
     path = Path(path)
     manifest = json.loads((path / MANIFEST).read_text(encoding="utf-8"))
     if manifest.get("schema") != SCHEMA:
@@ -81,6 +82,13 @@ def load(path: str | Path) -> Dump:
     bad = [L for L, f in manifest["layers"].items() if f["family"] != "dot"]
     if bad:
         raise ValueError(f"{path}: layer {bad[0]} is not of the 'dot' family")
+    for L, f in manifest["layers"].items():  # a causal, uncapped, unbiased, ungated score
+        extra = [k for k in ("window", "chunk", "softcap", "clip", "query_temperature",
+                             "output_gate") if f.get(k) is not None]
+        extra += [k for k in ("sinks", "alibi") if f.get(k)]
+        if extra:
+            raise ValueError(f"{path}: layer {L} has {', '.join(extra)}; the validate "
+                             "reference covers plain causal heads only")
     return Dump(path, manifest)
 
 
