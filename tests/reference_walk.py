@@ -157,3 +157,24 @@ def same_leaf(a: Any, b: Any, rel: float) -> bool:
 
 def field_path(path: tuple) -> str:
     return "/".join(map(str, path))
+
+
+def assert_refuses_each(reference: Any, base: dict, cases: dict, tmp_path: Path) -> None:
+    """For each ``field: (value, message)`` a dump manifest (``reference.SCHEMA``, float32)
+    whose layer 1 is ``base`` with that field set must be refused by ``reference.load`` naming
+    layer 1 and the message; the same manifest with layer 0 alone (``base``) loads."""
+    import json
+
+    for k, (v, msg) in cases.items():
+        d = tmp_path / k
+        d.mkdir()
+        manifest = {"schema": reference.SCHEMA, "config": {"dtype": "float32"},
+                    "layers": {"0": base, "1": {**base, k: v}}}
+        (d / reference.MANIFEST).write_text(json.dumps(manifest))
+        with pytest.raises(ValueError, match=f"layer 1 .*{msg}"):
+            reference.load(d)
+    d = tmp_path / "plain"
+    d.mkdir()
+    (d / reference.MANIFEST).write_text(json.dumps(
+        {"schema": reference.SCHEMA, "config": {"dtype": "float32"}, "layers": {"0": base}}))
+    assert reference.load(d).manifest["layers"]["0"]["family"] == "dot"

@@ -48,6 +48,7 @@ from ropestep.report import dumps, load
 from ropestep.verdict import loads
 from reference_walk import missing_from, agrees, save_bpe_tokenizer, leaves, at, has, field_key, matches
 from reference_walk import one_torch_thread  # noqa: F401  (autouse, module scope)
+from reference_walk import assert_refuses_each
 
 pytestmark = pytest.mark.model
 
@@ -1243,24 +1244,11 @@ def test_the_reference_refuses_what_it_does_not_model(tmp_path):
     ALiBi, a query temperature or an output gate (protocol.layer_facts records each) is refused
     in one line: the reference recomputes plain causal heads and would disagree for the wrong
     reason."""
-    import json
-
     base = {"n_heads": 2, "n_kv_heads": 1, "head_dim": 4, "r": 4, "hidden": 8, "out": 8,
             "layout": "half", "family": "dot", "window": None, "chunk": None, "softcap": None,
             "sinks": False, "clip": None, "alibi": False, "query_temperature": None,
             "output_gate": None}
     cases = {"window": 16, "chunk": 8, "softcap": 30.0, "sinks": True, "clip": 2.0,
              "alibi": True, "query_temperature": [8.0, 0.1], "output_gate": "sigmoid"}
-    for k, v in cases.items():
-        d = tmp_path / k
-        d.mkdir()
-        manifest = {"schema": reference.SCHEMA, "config": {"dtype": "float32"},
-                    "layers": {"0": base, "1": {**base, k: v}}}
-        (d / reference.MANIFEST).write_text(json.dumps(manifest))
-        with pytest.raises(ValueError, match=f"layer 1 has {k}"):
-            reference.load(d)
-    d = tmp_path / "plain"
-    d.mkdir()
-    (d / reference.MANIFEST).write_text(json.dumps(
-        {"schema": reference.SCHEMA, "config": {"dtype": "float32"}, "layers": {"0": base}}))
-    assert reference.load(d).manifest["layers"]["0"]["family"] == "dot"
+    assert_refuses_each(reference, base, {k: (v, f"has {k}") for k, v in cases.items()},
+                        tmp_path)
