@@ -973,6 +973,8 @@ NEEDS_MODEL = {"LINEAR64_TOL", "CAPTURE_DTYPE_REL"}
 
 EXEMPT = {  # public names of the module that are not tolerances, and why
     "unit_roundoff": "the dtype's unit roundoff: a fact, not a choice",
+    "storage_roundoff": "the storage dtype's unit roundoff (STORAGE_ROUNDOFF, else "
+                        "unit_roundoff): a fact, not a choice",
     "STORAGE_ROUNDOFF": "the storage dtypes' unit roundoffs: facts, not choices (checked "
                         "against torch.finfo below)",
     "score_limit": "log of the dtype's largest finite number: a fact, not a choice",

@@ -742,6 +742,12 @@ below this: ``1/Z`` overflows only when ``Z < e^{-709.78}``, i.e. ``max_j s_j < 
 # ---------------------------------------------------------------------------------------------
 # checks on a real model's heads (ropestep.realchecks; docs/math.md sections 1, 3 and 5)
 # ---------------------------------------------------------------------------------------------
+def storage_roundoff(dtype: torch.dtype) -> float:
+    """Unit roundoff of a value stored in ``dtype``: bf16 ``2^-8``, fp16 ``2^-11``, else
+    :func:`unit_roundoff` (float32, float64)."""
+    return STORAGE_ROUNDOFF.get(dtype, unit_roundoff(dtype))
+
+
 def rotated_projection_abs(dtype: torch.dtype, abs_terms, n_terms: int):
     """Elementwise bound of ``|q~_model - q~|``: a projection ``q = x W^T + b`` that a model
     computes in ``dtype`` and rotates with its RoPE tables (``q cos + rotate_half(q) sin``),
@@ -764,7 +770,7 @@ def rotated_projection_abs(dtype: torch.dtype, abs_terms, n_terms: int):
     rotated) is covered by the same bound with ``abs_terms = A_c``.
     """
     u_acc = unit_roundoff(dtype)
-    u_store = STORAGE_ROUNDOFF.get(dtype, u_acc)
+    u_store = storage_roundoff(dtype)
     return (HM_LAMBDA * float(np.sqrt(n_terms)) * u_acc + 4.0 * u_store) * abs_terms
 
 

@@ -18,7 +18,6 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 
 from .. import tolerances as tl
-from ..spec import query_temperature
 from . import conventions
 from .conventions import ModelInfo, check_layer_index, describe_model
 from .errors import CaptureError, UnsupportedModelError, adapter_errors
@@ -141,13 +140,11 @@ def _temperature_guard(model: Any, rs: list, info: ModelInfo, L: int,
     if conv.clip is not None:
         z = z.clamp(-conv.clip, conv.clip)
     mdt = rs[0].hidden.dtype
-    u = tl.unit_roundoff(mdt) if mdt != F64 else 2.0 ** -53
-    tq = torch.tensor([query_temperature(*conv.temperature, int(p)) for p in positions],
-                      dtype=F64)[:, None, None]
     m1 = X.shape[-1] + 1
-    E = (tl.rotated_projection_abs(mdt, A, m1) + tl.rotated_projection_abs(F64, A, m1)) * tq \
-        + 4 * u * (z * tq).abs()
-    err = (QM - z * tq).abs()
+    zt, E = conventions.tempered(
+        z, tl.rotated_projection_abs(mdt, A, m1) + tl.rotated_projection_abs(F64, A, m1),
+        conv.temperature, positions, tl.unit_roundoff(mdt))  # the reading's own bound
+    err = (QM - zt).abs()
     if not bool((err <= E).all()):
         worst = float((err / E.clamp_min(tl.SCALE_GUARD)).max())
         raise UnsupportedModelError(

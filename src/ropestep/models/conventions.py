@@ -618,6 +618,18 @@ def _temperature(attn: Any) -> tuple[float, float] | None:
     return f, a
 
 
+def tempered(z: torch.Tensor, E: torch.Tensor, temp: tuple, positions: Any, u: float
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Projected queries ``z (n, H, d)`` (float64) at ``positions`` -- the sequence indices the
+    model counts -- times the query temperature ``temp = (floor_scale, attn_scale)``, and their
+    bound ``E`` carried along: ``tau E`` plus the model's own roundings of ``tau`` and of the
+    product (log1p, a product and a sum, the final product: ``4 u`` of the result)."""
+    tq = torch.tensor([query_temperature(*temp, int(p)) for p in positions],
+                      dtype=F64)[:, None, None]
+    zt = z * tq
+    return zt, E * tq + 4 * u * zt.abs()
+
+
 def _temperature_text(attn: Any) -> str:
     return (f"attn_temperature_tuning, floor_scale {getattr(attn, 'floor_scale', None)}, "
             f"attn_scale {getattr(attn, 'attn_scale', None)}")
@@ -824,11 +836,8 @@ def _read_layer(model: Any, info: ModelInfo, L: int, r: AttentionRecord) -> Laye
                     z = _rotate(z, ct[:, None], st[:, None], pairing)
                     E = _partner(E, Rr, pairing) * max(a, 1.0)
                 if nm == "q" and temp is not None:  # the query temperature at the probe's
-                    # positions (the sequence index): the model's tau carries a few roundings
-                    # (log1p, the product and sum, the final product: 4 u of the result)
-                    tq = torch.tensor([query_temperature(*temp, p) for p in range(n)],
-                                      dtype=F64)[:, None, None]
-                    z, E = z * tq, E * tq + 4 * u * (z * tq).abs()
+                    # positions (the sequence index)
+                    z, E = tempered(z, E, temp, range(n), u)
                 err = (z - ref).abs()
                 worst.append(f"{nm} {float(err.max()):.2e} (bound {float(E.max()):.2e})")
                 if not bool((err <= E).all()):
@@ -973,9 +982,7 @@ def _output_gate(r: AttentionRecord, part: tuple, x64: torch.Tensor, H: int, rv:
     if tuple(W.shape) != (H * rv, x64.shape[-1]):
         return ""
     mdt = r.hidden.dtype
-    u = tl.unit_roundoff(mdt) if mdt != F64 else 2.0 ** -53
-    if mdt in (torch.bfloat16, torch.float16):
-        u = 2.0 ** -8 if mdt == torch.bfloat16 else 2.0 ** -11
+    u = tl.storage_roundoff(mdt)
     z, A = project_part(part, x64, H)  # (n, H, r)
     E = tl.rotated_projection_abs(mdt, A, x64.shape[-1] + 1) + tl.rotated_projection_abs(
         F64, A, x64.shape[-1] + 1)
@@ -1032,8 +1039,7 @@ def alibi_fit(kb: torch.Tensor, key_pos: torch.Tensor, dtype: torch.dtype
         return torch.zeros(kb.shape[0], dtype=F64), 0.0
     slope = (kb[:, -1] - kb[:, 0]) / (p[-1] - p[0])
     fit = kb[:, :1] + slope[:, None] * (p - p[0])[None]
-    u = {torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11, F64: 2.0 ** -53}.get(
-        dtype, 2.0 ** -24)
+    u = tl.storage_roundoff(dtype)
     bound = ALIBI_FIT_ULPS * u * (kb.abs() + 2 * kb[:, :1].abs() + 2 * kb[:, -1:].abs())
     err = (kb - fit).abs()
     worst = float((err / bound.clamp_min(tl.SCALE_GUARD)).max())
@@ -1049,8 +1055,7 @@ def alibi_check(kb: torch.Tensor, key_pos: torch.Tensor, slopes: Sequence[float]
     of position), times ``ALIBI_FIT_ULPS``."""
     p = key_pos.to("cpu", F64)
     s = torch.as_tensor(list(slopes), dtype=F64)[:, None]
-    u = {torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11, F64: 2.0 ** -53}.get(
-        dtype, 2.0 ** -24)
+    u = tl.storage_roundoff(dtype)
     dp = (p - p[0])[None]
     err = (kb - kb[:, :1] - s * dp).abs()
     bound = ALIBI_FIT_ULPS * u * (kb.abs() + kb[:, :1].abs() + 2 * (s * dp).abs())
